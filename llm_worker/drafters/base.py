@@ -1,0 +1,192 @@
+"""The drafter protocol and the registry of drafting modes.
+
+A drafter sees the committed tokens (and, if it asks, model artifacts) and proposes a draft
+tree; it never builds attention masks and never sees logits. The engine looks modes up by
+name here — adding a drafter never means editing the engine.
+
+A mode string is a registered name with optional ``:key=value`` options, e.g. ``pld``,
+``pld+h:layer=12:theta=0.4``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from llm_worker.types import ArtifactNeeds, DraftTree, VerifyResult
+
+if TYPE_CHECKING:
+    from llm_worker.model.target import TargetModel
+
+
+class UnknownModeError(ValueError):
+    """A mode name that no drafter registered, or options it does not take."""
+
+
+class ModeUnavailableError(ValueError):
+    """A known mode that cannot run on this model (e.g. no induction-head file)."""
+
+
+class DraftContext:
+    """What a drafter may read when it proposes.
+
+    ``tokens``: [T] the committed sequence (prompt + generated); its last token, the root, has
+    no KV entry yet, so artifacts exist for positions 0 .. T-2 only.
+    ``budget``: the most draft tokens worth proposing this step.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        budget: int,
+        hidden: Callable[[int], torch.Tensor] | None = None,
+        attention: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
+        self.tokens = tokens  # [T] int64
+        self.budget = budget
+        self._hidden = hidden
+        self._attention = attention
+
+    def hidden(self, layer: int) -> torch.Tensor:
+        """[T-1, hidden_size]: layer ``layer``'s hidden state at positions 0 .. T-2."""
+        if self._hidden is None:
+            raise RuntimeError("this drafter did not ask for hidden states")
+        return self._hidden(layer)
+
+    def attention(self) -> torch.Tensor:
+        """[num_query_heads, T-1]: attention of each requested head from position T-2 over 0 .. T-2."""
+        if self._attention is None:
+            raise RuntimeError("this drafter did not ask for attention")
+        return self._attention()
+
+
+class Drafter(ABC):
+    """One drafting mode. ``needs`` says which artifacts the engine must keep for it."""
+
+    name: str = ""
+    needs: ArtifactNeeds = ArtifactNeeds()
+    proposes: bool = True  # False only for ``ar``: the engine then skips planning altogether
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        """Draft up to ``ctx.budget`` tokens; an empty tree means "decode one token plainly"."""
+
+    def observe(self, tree: DraftTree, result: VerifyResult) -> None:  # noqa: B027 - optional hook
+        """Feedback after verification (default: none)."""
+
+
+DrafterFactory = Callable[["TargetModel", dict[str, str]], Drafter]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    name: str
+    summary: str
+    factory: DrafterFactory
+    options: tuple[str, ...] = ()
+
+
+def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
+    """``"pld+h:layer=12:theta=0.4"`` → ``("pld+h", {"layer": "12", "theta": "0.4"})``."""
+    name, *parts = mode.strip().split(":")
+    options: dict[str, str] = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise UnknownModeError(f"mode option {part!r} in {mode!r} is not key=value")
+        options[key.strip()] = value.strip()
+    return name.strip(), options
+
+
+class DrafterRegistry:
+    def __init__(self) -> None:
+        self._specs: dict[str, DrafterSpec] = {}
+
+    def register(
+        self, name: str, summary: str, options: tuple[str, ...] = ()
+    ) -> Callable[[DrafterFactory], DrafterFactory]:
+        def add(factory: DrafterFactory) -> DrafterFactory:
+            if name in self._specs:
+                raise ValueError(f"drafting mode {name!r} registered twice")
+            self._specs[name] = DrafterSpec(name, summary, factory, options)
+            return factory
+
+        return add
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def spec(self, name: str) -> DrafterSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            known = ", ".join(self._specs)
+            raise UnknownModeError(f"unknown mode {name!r}; known modes: {known}") from None
+
+    def create(self, mode: str, target: TargetModel) -> Drafter:
+        name, options = parse_mode(mode)
+        spec = self.spec(name)
+        unknown = set(options) - set(spec.options)
+        if unknown:
+            raise UnknownModeError(
+                f"mode {name!r} takes options {list(spec.options) or 'none'}, not {sorted(unknown)}"
+            )
+        drafter = spec.factory(target, options)
+        drafter.name = mode
+        return drafter
+
+    def available(self, target: TargetModel) -> list[str]:
+        """Modes that can run on ``target``."""
+        names = []
+        for name in self._specs:
+            try:
+                self.create(name, target)
+            except ModeUnavailableError:
+                continue
+            names.append(name)
+        return names
+
+
+DRAFTERS = DrafterRegistry()
+
+
+class NoDrafter(Drafter):
+    """``ar``: never drafts; every step decodes one token. The reference for every mode."""
+
+    proposes = False
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        return DraftTree.empty()
+
+
+@DRAFTERS.register("ar", "plain autoregressive decoding, the reference")
+def _make_ar(target: TargetModel, options: dict[str, str]) -> Drafter:
+    return NoDrafter()
+
+
+def int_option(options: dict[str, str], key: str, default: int, lo: int, hi: int) -> int:
+    raw = options.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UnknownModeError(f"option {key}={raw!r} is not an integer") from None
+    if not lo <= value <= hi:
+        raise UnknownModeError(f"option {key}={value} is outside [{lo}, {hi}]")
+    return value
+
+
+def float_option(options: dict[str, str], key: str, default: float | None) -> float | None:
+    raw = options.get(key)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise UnknownModeError(f"option {key}={raw!r} is not a number") from None

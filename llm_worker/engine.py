@@ -1,0 +1,283 @@
+"""The decode loop: propose → one target forward → verify → commit.
+
+One request at a time per ``SequenceState``; every mode, ``ar`` included, runs the same loop
+(``ar``'s drafter proposes nothing, so each step verifies the root alone and yields the bonus
+token). The engine never looks at a mode's name: it asks the registry for a drafter and the
+planner for how much of its draft to verify.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from llm_worker.config import EngineConfig, SamplingParams
+from llm_worker.drafters import DRAFTERS, DraftContext, Drafter
+from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
+from llm_worker.planner import CostCurve, DraftPlanner, load_or_measure
+from llm_worker.sampling import make_generator, sample, warp_logits
+from llm_worker.stats import GenerationStats
+from llm_worker.types import ArtifactNeeds, CopiedSpan, DraftTree, Provenance
+from llm_worker.verify.tree import tree_buffers
+from llm_worker.verify.verifier import verify_greedy, verify_sampling
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before doing any work."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = 128
+    mode: str = "ar"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_at_eos: bool = True
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens only (an end-of-sequence token included)
+    mode: str
+    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    stats: GenerationStats
+    provenance: list[CopiedSpan]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Tokens one step committed, streamed as they come."""
+
+    token_ids: list[int]
+
+
+class _Artifacts:
+    """Hidden states and last-position queries kept for a drafter, for committed positions."""
+
+    def __init__(self, target: TargetModel, state: SequenceState, needs: ArtifactNeeds) -> None:
+        self.target, self.state, self.needs = target, state, needs
+        self.length = 0
+        self.hidden_buf: dict[int, torch.Tensor] = {}  # layer -> [capacity, hidden_size]
+        self.queries: dict[tuple[int, int], torch.Tensor] = {}  # (layer, head) -> [head_dim]
+
+    def record(self, out: ForwardOutput, rows: list[int]) -> None:
+        if self.needs.empty:
+            return
+        index = torch.tensor(rows, device=out.logits.device)
+        m = len(rows)
+        for layer in self.needs.hidden_layers:
+            values = out.hidden[layer].index_select(0, index)
+            buf = self.hidden_buf.get(layer)
+            if buf is None or buf.shape[0] < self.length + m:
+                grown = torch.empty(max(2 * self.length + m, 1024), values.shape[-1], dtype=values.dtype)
+                if buf is not None:
+                    grown[: self.length] = buf[: self.length]
+                buf = self.hidden_buf[layer] = grown
+            buf[self.length : self.length + m] = values
+        for key in self.needs.query_heads:
+            self.queries[key] = out.queries[key][rows[-1]]
+        self.length += m
+
+    def hidden(self, layer: int) -> torch.Tensor:
+        return self.hidden_buf[layer][: self.length]
+
+    def attention(self) -> torch.Tensor:
+        """[heads, length]: softmax attention of each needed head from the last cached position."""
+        info = self.target.info
+        group = info.num_heads // info.num_kv_heads
+        scale = 1.0 / math.sqrt(info.head_dim)
+        rows = []
+        by_layer: dict[int, list[int]] = {}
+        for layer, head in self.needs.query_heads:
+            by_layer.setdefault(layer, []).append(head)
+        scores: dict[tuple[int, int], torch.Tensor] = {}
+        for layer, heads in by_layer.items():
+            keys = self.target.keys(self.state, layer)  # [kv_heads, length, head_dim]
+            q = torch.stack([self.queries[(layer, h)] for h in heads])  # [m, head_dim]
+            k = keys[torch.tensor([h // group for h in heads])]  # [m, length, head_dim]
+            logits = torch.einsum("md,mld->ml", q.float(), k.float()) * scale
+            for h, row in zip(heads, torch.softmax(logits, dim=-1), strict=True):
+                scores[(layer, h)] = row
+        for key in self.needs.query_heads:
+            rows.append(scores[key])
+        return torch.stack(rows)
+
+
+class _ModeRuntime:
+    """What the engine keeps per mode across requests: the drafter and its planner."""
+
+    def __init__(self, drafter: Drafter, planner: DraftPlanner | None) -> None:
+        self.drafter = drafter
+        self.planner = planner
+        self.lock = threading.Lock()
+
+
+class Engine:
+    def __init__(
+        self, target: TargetModel, config: EngineConfig | None = None, curve: CostCurve | None = None
+    ) -> None:
+        self.target = target
+        self.config = config or EngineConfig()
+        self._curve = curve
+        self._modes: dict[str, _ModeRuntime] = {}
+        self._lock = threading.Lock()
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    @property
+    def cost_curve(self) -> CostCurve:
+        """The verify cost curve, measured (or read from the cache) on first use."""
+        with self._lock:
+            if self._curve is None:
+                max_size = self.config.planner.max_draft_tokens + 1
+                self._curve = load_or_measure(self.target, self.config.cost, max_size)
+            return self._curve
+
+    def runtime(self, mode: str) -> _ModeRuntime:
+        with self._lock:
+            rt = self._modes.get(mode)
+            if rt is not None:
+                return rt
+        drafter = DRAFTERS.create(mode, self.target)  # may raise UnknownModeError / ModeUnavailableError
+        planner = DraftPlanner(self.cost_curve, self.config.planner) if drafter.proposes else None
+        with self._lock:
+            return self._modes.setdefault(mode, _ModeRuntime(drafter, planner))
+
+    def validate(self, req: GenerationRequest) -> None:
+        info = self.target.info
+        if not req.prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in req.prompt_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
+        if req.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        total = len(req.prompt_ids) + req.max_new_tokens
+        if total > info.max_context:
+            raise InvalidRequestError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
+                f"exceeds the model's context of {info.max_context} tokens"
+            )
+        try:
+            req.sampling.validate()
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def generate(self, req: GenerationRequest) -> GenerationResult:
+        result = None
+        for item in self.stream(req):
+            if isinstance(item, GenerationResult):
+                result = item
+        assert result is not None
+        return result
+
+    def stream(self, req: GenerationRequest) -> Iterator[StepOutput | GenerationResult]:
+        """Yields a StepOutput per step, then the GenerationResult."""
+        self.validate(req)
+        rt = self.runtime(req.mode)
+        with torch.inference_mode():
+            yield from self._decode(req, rt)
+
+    def _pick_first(self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
+        if sampling.greedy:
+            return int(logits.argmax().item())
+        return sample(warp_logits(logits[None], sampling)[0], gen)
+
+    def _decode(self, req: GenerationRequest, rt: _ModeRuntime) -> Iterator[StepOutput | GenerationResult]:
+        target, drafter, planner = self.target, rt.drafter, rt.planner
+        needs = drafter.needs
+        sampling = req.sampling
+        eos = set(target.info.eos_token_ids) if req.stop_at_eos else set()
+        gen = make_generator(sampling.seed)
+        stats = GenerationStats()
+        provenance = Provenance()
+        began = time.perf_counter()
+
+        state = target.start()
+        artifacts = _Artifacts(target, state, needs)
+        prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
+        chunk = max(1, self.config.prefill_chunk)
+        out = None
+        for lo in range(0, len(prompt), chunk):
+            piece = prompt[lo : lo + chunk]
+            out = target.forward(state, piece, None, needs)
+            rows = list(range(len(piece)))
+            target.commit(state, rows)
+            artifacts.record(out, rows)
+        assert out is not None
+        first = self._pick_first(out.logits[-1], sampling, gen)
+        stats.observe_prefill(time.perf_counter() - began)
+
+        capacity = len(prompt) + req.max_new_tokens + 1
+        tokens = np.zeros(capacity, dtype=np.int64)  # committed sequence; tokens[length-1] is the root
+        tokens[: len(prompt)] = prompt.numpy()
+        tokens[len(prompt)] = first
+        length = len(prompt) + 1
+        generated = [first]
+        yield StepOutput([first])
+        finish = "stop" if first in eos else "length" if req.max_new_tokens <= 1 else ""
+
+        while not finish:
+            remaining = req.max_new_tokens - len(generated)
+            t0 = time.perf_counter()
+            tree = DraftTree.empty()
+            if planner is not None:
+                budget = planner.budget(remaining)
+                if budget > 0:
+                    ctx = DraftContext(
+                        tokens[:length],
+                        budget,
+                        hidden=artifacts.hidden if needs.hidden_layers else None,
+                        attention=artifacts.attention if needs.query_heads else None,
+                    )
+                    with rt.lock:
+                        tree = drafter.propose(ctx)
+                        if len(tree):
+                            tree = planner.plan(tree, length).tree
+            t1 = time.perf_counter()
+
+            inputs = torch.tensor((int(tokens[length - 1]), *tree.tokens), dtype=torch.long)
+            buffers = tree_buffers(tree.parents) if len(tree) > 0 else None
+            out = target.forward(state, inputs, buffers, needs)
+            if sampling.greedy:
+                result = verify_greedy(out.logits.argmax(dim=-1).tolist(), tree)
+            else:
+                result = verify_sampling(warp_logits(out.logits, sampling), tree, gen)
+            rows = [0] + [node + 1 for node in result.accepted]
+            target.commit(state, rows)
+            artifacts.record(out, rows)
+            t2 = time.perf_counter()
+
+            new = [tree.tokens[node] for node in result.accepted] + [result.bonus]
+            sources = [tree.source(node) for node in result.accepted] + [-1]
+            emitted = []
+            for token, source in zip(new, sources, strict=True):
+                if source >= 0:
+                    provenance.add(len(generated), source, drafter.name)
+                generated.append(token)
+                emitted.append(token)
+                tokens[length] = token
+                length += 1
+                if token in eos:
+                    finish = "stop"
+                    break
+                if len(generated) >= req.max_new_tokens:
+                    finish = "length"
+                    break
+            stats.observe_step(len(tree), result.num_accepted, len(emitted), t1 - t0, t2 - t1)
+            if len(tree) and planner is not None:
+                with rt.lock:
+                    planner.observe(tree, result)
+                    drafter.observe(tree, result)
+            yield StepOutput(emitted)
+
+        stats.seconds = time.perf_counter() - began
+        yield GenerationResult(generated, req.mode, finish, stats, provenance.spans)

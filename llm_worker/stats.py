@@ -1,0 +1,62 @@
+"""Per-request statistics: a small dataclass with ``observe_*`` methods, nothing else.
+
+τ (tau) is the mean number of tokens each target forward yields, the bonus token included:
+new_tokens / target_forwards. Plain decoding has τ = 1; the prefill forward counts (it yields
+the first token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted_tokens: int = 0  # draft tokens sent to verification
+    accepted_tokens: int = 0  # of those, accepted
+    draft_seconds: float = 0.0  # proposing and planning drafts
+    verify_seconds: float = 0.0  # target forwards (prefill included) and accept / reject
+    seconds: float = 0.0  # wall time of the whole request
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.target_forwards += 1
+        self.new_tokens += 1
+        self.verify_seconds += seconds
+
+    def observe_step(
+        self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float
+    ) -> None:
+        self.target_forwards += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.new_tokens += emitted
+        self.draft_seconds += draft_s
+        self.verify_seconds += verify_s
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, float | int]:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "tau": round(self.tau, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "seconds": round(self.seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+        }

@@ -1,0 +1,235 @@
+"""The small data types that join drafting and verification.
+
+Terms used throughout:
+
+- *root*: the last committed token. Its KV entry is not in the cache yet; every forward starts
+  with it, and its logits predict the first draft token.
+- *draft tree*: draft tokens hanging off the root. A chain is a tree with one branch; a batch
+  of drafts is a tree whose branches share only the root.
+- *accepted*: a draft token the verifier kept. *Bonus* token: the one token the target itself
+  supplies after the last accepted node (its argmax, or a sample from its — possibly
+  residual — distribution). Every verify step therefore yields accepted + 1 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+NO_SOURCE = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens as a tree in topological order.
+
+    ``tokens[i]`` is node i's token and ``parents[i]`` its parent node (-1: the root); every
+    parent comes before its children, and siblings carry distinct tokens.
+
+    Example: drafts [5, 6, 7] and [5, 8] merge into tokens (5, 6, 7, 8) with
+    parents (-1, 0, 1, 0): node 0 (token 5) has children 1 (6) and 3 (8).
+    """
+
+    tokens: tuple[int, ...]  # [num_nodes]
+    parents: tuple[int, ...]  # [num_nodes], -1 = the root
+    sources: tuple[int, ...] = ()  # [num_nodes] context position the token was copied from, -1 = none
+    features: tuple[str, ...] = ()  # [num_nodes] drafter's key for calibrated acceptance, "" = none
+    draft_probs: torch.Tensor | None = (
+        None  # [num_nodes, vocab] q(x) the node was sampled from; None = point mass
+    )
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if len(self.parents) != n:
+            raise ValueError("tokens and parents differ in length")
+        if self.sources and len(self.sources) != n:
+            raise ValueError("sources must give one entry per node")
+        if self.features and len(self.features) != n:
+            raise ValueError("features must give one entry per node")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: nodes must follow their parents")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != n:
+            raise ValueError("draft_probs must have one row per node")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @staticmethod
+    def empty() -> DraftTree:
+        return DraftTree((), ())
+
+    @staticmethod
+    def chain(
+        tokens: Sequence[int],
+        sources: Sequence[int] = (),
+        features: Sequence[str] = (),
+        draft_probs: torch.Tensor | None = None,
+    ) -> DraftTree:
+        """One branch: ``chain([4, 2])`` has parents (-1, 0)."""
+        n = len(tokens)
+        return DraftTree(
+            tuple(int(t) for t in tokens),
+            tuple(range(-1, n - 1)),
+            tuple(int(s) for s in sources),
+            tuple(features),
+            draft_probs,
+        )
+
+    @staticmethod
+    def from_sequences(
+        sequences: Sequence[Sequence[int]],
+        sources: Sequence[Sequence[int]] | None = None,
+        features: Sequence[Sequence[str]] | None = None,
+    ) -> DraftTree:
+        """Merge drafts into a trie: shared prefixes become one node (first draft's source wins)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        srcs: list[int] = []
+        feats: list[str] = []
+        child_of: dict[tuple[int, int], int] = {}
+        for d, seq in enumerate(sequences):
+            parent = -1
+            for i, tok in enumerate(seq):
+                key = (parent, int(tok))
+                node = child_of.get(key)
+                if node is None:
+                    node = len(tokens)
+                    child_of[key] = node
+                    tokens.append(int(tok))
+                    parents.append(parent)
+                    srcs.append(sources[d][i] if sources else NO_SOURCE)
+                    feats.append(features[d][i] if features else "")
+                parent = node
+        return DraftTree(tuple(tokens), tuple(parents), tuple(srcs), tuple(feats))
+
+    def depths(self) -> list[int]:
+        """Depth of each node: children of the root have depth 1."""
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return depth
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def source(self, node: int) -> int:
+        return self.sources[node] if self.sources else NO_SOURCE
+
+    def feature(self, node: int) -> str:
+        return self.features[node] if self.features else ""
+
+    def subtree(self, keep: Sequence[int]) -> DraftTree:
+        """The nodes ``keep`` (closed under parents), renumbered in their original order."""
+        kept = sorted(set(int(k) for k in keep))
+        new_index = {old: new for new, old in enumerate(kept)}
+        parents = []
+        for old in kept:
+            p = self.parents[old]
+            if p >= 0 and p not in new_index:
+                raise ValueError(f"node {old} kept without its parent {p}")
+            parents.append(new_index[p] if p >= 0 else -1)
+        return DraftTree(
+            tuple(self.tokens[i] for i in kept),
+            tuple(parents),
+            tuple(self.sources[i] for i in kept) if self.sources else (),
+            tuple(self.features[i] for i in kept) if self.features else (),
+            self.draft_probs[kept] if self.draft_probs is not None else None,
+        )
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root's child down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+class Outcome(IntEnum):
+    """What verification said of one draft node."""
+
+    UNREACHED = -1  # its parent was rejected (or a sibling was accepted first)
+    REJECTED = 0
+    ACCEPTED = 1
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The verifier's verdict on one draft tree."""
+
+    accepted: tuple[int, ...]  # node indices of the accepted path, root's child first
+    bonus: int  # token the target supplies after the accepted path
+    outcomes: tuple[Outcome, ...]  # [num_nodes]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
+
+@dataclass(frozen=True)
+class ArtifactNeeds:
+    """Model artifacts a drafter reads, beyond the committed tokens.
+
+    ``hidden_layers``: layer l's output hidden state (0 = embeddings, l = after decoder layer l)
+    at every committed position. ``query_heads``: the post-RoPE query of (layer, head) at the
+    last position that has a KV entry, to score attention over the context.
+    """
+
+    hidden_layers: frozenset[int] = frozenset()
+    query_heads: tuple[tuple[int, int], ...] = ()
+
+    def merge(self, other: ArtifactNeeds) -> ArtifactNeeds:
+        heads = tuple(dict.fromkeys(self.query_heads + other.query_heads))
+        return ArtifactNeeds(self.hidden_layers | other.hidden_layers, heads)
+
+    @property
+    def empty(self) -> bool:
+        return not self.hidden_layers and not self.query_heads
+
+
+@dataclass
+class CopiedSpan:
+    """Provenance of accepted draft tokens copied from the context.
+
+    Output tokens ``[output_start, output_start + length)`` (indices into the generated tokens)
+    were drafted by copying context tokens ``[source_start, source_start + length)`` (indices
+    into prompt + generated tokens) and accepted by the verifier.
+    """
+
+    output_start: int
+    source_start: int
+    length: int
+    drafter: str = ""
+
+    def to_json(self) -> dict[str, int | str]:
+        return {
+            "output_start": self.output_start,
+            "source_start": self.source_start,
+            "length": self.length,
+            "drafter": self.drafter,
+        }
+
+
+@dataclass
+class Provenance:
+    """Accumulates copied spans, merging a span that continues the previous one."""
+
+    spans: list[CopiedSpan] = field(default_factory=list)
+
+    def add(self, output_index: int, source: int, drafter: str) -> None:
+        if source < 0:
+            return
+        last = self.spans[-1] if self.spans else None
+        if (
+            last is not None
+            and last.drafter == drafter
+            and last.output_start + last.length == output_index
+            and last.source_start + last.length == source
+        ):
+            last.length += 1
+        else:
+            self.spans.append(CopiedSpan(output_index, source, 1, drafter))

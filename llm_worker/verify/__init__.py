@@ -1,0 +1,1 @@
+"""Verification: tree buffers for one target forward, and the accept / reject rules."""
