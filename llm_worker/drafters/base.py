@@ -137,7 +137,7 @@ class DrafterRegistry:
                 f"mode {name!r} takes options {list(spec.options) or 'none'}, not {sorted(unknown)}"
             )
         drafter = spec.factory(target, options)
-        drafter.name = mode
+        drafter.name = name
         return drafter
 
     def available(self, target: TargetModel) -> list[str]:

@@ -1,0 +1,1 @@
+"""specdraft client: the CLI now; typed gRPC clients come with the service (issue 3)."""

@@ -1,0 +1,294 @@
+"""``specdraft``: the command line. A stable contract — tests and users script against it.
+
+Commands that decode in process (``generate`` without a server, ``bench``,
+``calibrate-heads``) load ``llm_worker`` lazily, so the client package itself depends on
+nothing of ours.
+
+Exit codes: 0 success, 2 bad input (unknown mode, bad option, prompt too long, ...), 1 other
+failures. Errors go to stderr as one line ``specdraft: error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_BAD_INPUT = 2
+
+
+class CliError(Exception):
+    """A user error with a message worth printing as is."""
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)"
+    )
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "fast", "hf"],
+        help="fast Llama-family forward or transformers'",
+    )
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    _quiet_libraries()
+    from llm_worker.config import ModelConfig
+    from llm_worker.engine import Engine
+    from llm_worker.model import load_target
+    from llm_worker.model.loading import ModelNotFoundError
+
+    cfg = ModelConfig(
+        path=args.model, dtype=args.dtype, device=args.device, threads=args.threads, backend=args.backend
+    )
+    try:
+        target, tokenizer = load_target(cfg)
+    except (ModelNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    return Engine(target), target, tokenizer
+
+
+# -- generate ------------------------------------------------------------------------------
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise CliError("the prompt is empty")
+    engine, _target, tokenizer = _load(args)
+    from llm_worker.chat import chat_prompt_ids, prompt_ids
+    from llm_worker.config import SamplingParams
+    from llm_worker.drafters import ModeUnavailableError, UnknownModeError
+    from llm_worker.engine import GenerationRequest, GenerationResult, InvalidRequestError, StepOutput
+
+    try:
+        ids = (
+            chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+            if args.chat
+            else prompt_ids(tokenizer, prompt)
+        )
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+        req = GenerationRequest(tuple(ids), args.max_new_tokens, args.mode, sampling)
+        stream_to = sys.stderr if args.json else sys.stdout
+        result = None
+        emitted: list[int] = []
+        printed = ""
+        for item in engine.stream(req):
+            if isinstance(item, StepOutput) and args.stream:
+                emitted.extend(item.token_ids)
+                text = tokenizer.decode(emitted, skip_special_tokens=True)
+                stream_to.write(text[len(printed) :])
+                stream_to.flush()
+                printed = text
+            elif isinstance(item, GenerationResult):
+                result = item
+    except (UnknownModeError, ModeUnavailableError, InvalidRequestError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    assert result is not None
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        if args.stream:
+            sys.stderr.write("\n")
+        payload = {
+            "text": text,
+            "token_ids": result.token_ids,
+            "mode": result.mode,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": len(ids),
+            "stats": result.stats.to_json(),
+            "provenance": [span.to_json() for span in result.provenance],
+        }
+        sys.stdout.write(json.dumps(payload) + "\n")
+    elif args.stream:
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------------
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from llm_worker.bench.suite import builtin_suite, load_questions
+
+    try:
+        questions = load_questions(args.questions) if args.questions else builtin_suite(args.suite)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    if args.limit:
+        questions = questions[: args.limit]
+    if not questions:
+        raise CliError("no questions to run")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    engine, target, tokenizer = _load(args)
+    from llm_worker.bench.report import plot, render_table
+    from llm_worker.bench.runner import run_bench
+    from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
+
+    if not modes:
+        modes = [*DRAFTERS.available(target), "hf-ar", "hf-pld"]
+    console = Console(stderr=True)
+    try:
+        result = run_bench(engine, tokenizer, questions, modes, args.max_new_tokens, progress=console.log)
+    except (UnknownModeError, ModeUnavailableError) as exc:
+        raise CliError(str(exc)) from exc
+    report = result.to_json()
+    render_table(report, Console())
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        tmp.replace(out)
+        console.print(f"wrote {out}")
+    if args.plot:
+        console.print(f"wrote {plot(report, Path(args.plot))}")
+    return 0
+
+
+# -- calibrate-heads -----------------------------------------------------------------------
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    _engine, target, tokenizer = _load(args)
+    from llm_worker.bench.suite import calibration_prompts
+    from llm_worker.calibrate import calibrate_heads
+    from llm_worker.chat import chat_prompt_ids
+    from llm_worker.drafters.heads import save_heads, shipped_heads_path, user_heads_dir
+
+    console = Console(stderr=True)
+    if args.prompts:
+        lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+        texts = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+    else:
+        texts = calibration_prompts(args.count)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    try:
+        heads = calibrate_heads(
+            target,
+            prompts,
+            args.max_new_tokens,
+            progress=lambda i, n: console.log(f"calibration prompt {i}/{n}"),
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    if args.out:
+        path = Path(args.out)
+    elif args.ship:
+        path = shipped_heads_path(target.info.fingerprint)
+    else:
+        path = user_heads_dir() / f"{target.info.fingerprint}.json"
+    save_heads(heads, path)
+    top = ", ".join(f"L{h.layer}H{h.head}={h.score:.2f}" for h in heads.heads[:10])
+    console.print(f"{heads.events} copy events over {heads.prompts} prompts; top heads: {top}")
+    sys.stdout.write(str(path) + "\n")
+    return 0
+
+
+def _cmd_modes(args: argparse.Namespace) -> int:
+    _engine, target, _tokenizer = _load(args)
+    from llm_worker.drafters import DRAFTERS
+
+    available = set(DRAFTERS.available(target))
+    for name in DRAFTERS.names():
+        spec = DRAFTERS.spec(name)
+        opts = f" (options: {', '.join(spec.options)})" if spec.options else ""
+        state = "" if name in available else "  [unavailable for this model]"
+        sys.stdout.write(f"{name:8s} {spec.summary}{opts}{state}\n")
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description="Lossless speculative decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _add_model_args(g)
+    g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    g.add_argument("--mode", default="ar", help="drafting mode, e.g. ar, pld, pld+h, pld+a, pld+h:layer=12")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template (PROMPT is one user turn)"
+    )
+    g.add_argument(
+        "--stream", action="store_true", help="print text as it is generated (to stderr with --json)"
+    )
+    g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    g.set_defaults(func=_cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark modes side by side")
+    _add_model_args(b)
+    b.add_argument("--questions", help="JSONL in Spec-Bench's format (question_id, category, turns)")
+    b.add_argument("--suite", default="input-guided", help="built-in suite when --questions is not given")
+    b.add_argument(
+        "--modes", default="", help="comma-separated modes (default: every available mode + hf-ar, hf-pld)"
+    )
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--limit", type=int, default=0, help="run only the first N questions")
+    b.add_argument("--json-out", help="write the report as JSON here")
+    b.add_argument("--plot", help="write a PNG of speed-up and τ per mode and category")
+    b.set_defaults(func=_cmd_bench)
+
+    c = sub.add_parser("calibrate-heads", help="find the model's induction heads for pld+a")
+    _add_model_args(c)
+    c.add_argument("--prompts", help="calibration prompts: text lines or JSONL with a prompt field")
+    c.add_argument("--count", type=int, default=24, help="built-in calibration prompts to use")
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--out", help="output file (default: the user cache, where pld+a looks first)")
+    c.add_argument("--ship", action="store_true", help="write into the package data (maintainers)")
+    c.set_defaults(func=_cmd_calibrate)
+
+    m = sub.add_parser("modes", help="list drafting modes")
+    _add_model_args(m)
+    m.set_defaults(func=_cmd_modes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    try:
+        return int(args.func(args))
+    except CliError as exc:
+        sys.stderr.write(f"specdraft: error: {exc}\n")
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Datastore service: sparse (suffix array) and dense (FAISS) retrieval shards — later issues."""

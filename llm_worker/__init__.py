@@ -1,0 +1,1 @@
+"""LLM worker: the target model, drafters, verification and the decode loop."""

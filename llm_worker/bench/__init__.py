@@ -1,0 +1,1 @@
+"""Benchmark: question suites, runners and reports."""

@@ -1,0 +1,99 @@
+"""What the benchmark can run: an engine mode, or a transformers ``generate`` baseline.
+
+Each runner turns prompt ids into an ``Outcome``; the bench times them side by side.
+
+- an engine mode (``ar``, ``pld``, ``pld+h``, ...): ``Engine.generate``, greedy;
+- ``hf-ar``: transformers ``generate``, greedy, on the same weights;
+- ``hf-pld``: transformers ``generate`` with ``prompt_lookup_num_tokens=10``.
+
+Target forwards of the baselines are counted with a forward pre-hook, so τ is comparable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llm_worker.config import SamplingParams
+from llm_worker.engine import Engine, GenerationRequest
+
+HF_PLD_TOKENS = 10
+
+
+@dataclass
+class Outcome:
+    token_ids: list[int]
+    seconds: float
+    target_forwards: int
+    drafted: int = 0
+    accepted: int = 0
+
+
+Runner = Callable[[list[int], int], Outcome]
+
+
+def engine_runner(engine: Engine, mode: str) -> Runner:
+    def run(prompt: list[int], max_new: int) -> Outcome:
+        res = engine.generate(GenerationRequest(tuple(prompt), max_new, mode, SamplingParams()))
+        s = res.stats
+        return Outcome(res.token_ids, s.seconds, s.target_forwards, s.drafted_tokens, s.accepted_tokens)
+
+    return run
+
+
+class _ForwardCounter:
+    def __init__(self, model: Any) -> None:
+        self.calls = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module: Any, args: Any) -> None:
+        self.calls += 1
+
+
+def hf_runner(model: Any, eos_ids: tuple[int, ...], prompt_lookup: int | None) -> Runner:
+    counter = _ForwardCounter(model)
+    extra: dict[str, Any] = {}
+    if prompt_lookup:
+        extra["prompt_lookup_num_tokens"] = prompt_lookup
+
+    def run(prompt: list[int], max_new: int) -> Outcome:
+        ids = torch.tensor([prompt], device=model.device)
+        before = counter.calls
+        began = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new,
+                eos_token_id=list(eos_ids) or None,
+                pad_token_id=eos_ids[0] if eos_ids else None,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                **extra,
+            )
+        seconds = time.perf_counter() - began
+        return Outcome(out[0, len(prompt) :].tolist(), seconds, counter.calls - before)
+
+    return run
+
+
+def make_runners(engine: Engine, modes: list[str]) -> dict[str, Runner]:
+    """A runner per mode name; ``hf-*`` names need the fast or hf target's transformers model."""
+    runners: dict[str, Runner] = {}
+    model = getattr(engine.target, "model", None)
+    for mode in modes:
+        if mode in ("hf-ar", "hf-pld"):
+            if model is None:
+                raise ValueError(f"{mode} needs a transformers model behind the target")
+            lookup = HF_PLD_TOKENS if mode == "hf-pld" else None
+            runners[mode] = hf_runner(model, engine.target.info.eos_token_ids, lookup)
+        else:
+            engine.runtime(mode)  # fail early on unknown / unavailable modes
+            runners[mode] = engine_runner(engine, mode)
+    return runners

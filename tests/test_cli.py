@@ -1,0 +1,161 @@
+"""The CLI contract: JSON shape, exit codes, error messages, bench output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from client.cli import main
+from llm_worker.model.loading import default_model_dir
+
+STATS_KEYS = {
+    "new_tokens",
+    "target_forwards",
+    "tau",
+    "acceptance_rate",
+    "draft_seconds",
+    "verify_seconds",
+    "seconds",
+    "tokens_per_second",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the real tokenizer (so chat templates and decoding work)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    model = tiny_model("llama", vocab=len(tokenizer))
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_contract(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--mode",
+        "pld",
+        "--max-new-tokens",
+        "20",
+        "--json",
+        "hello hello",
+    )
+    assert code == 0
+    payload = json.loads(out)  # exactly one JSON object on stdout
+    assert {"text", "token_ids", "mode", "stats", "provenance"} <= set(payload)
+    assert payload["mode"] == "pld"
+    assert set(payload["stats"]) >= STATS_KEYS
+    assert payload["stats"]["new_tokens"] == len(payload["token_ids"]) <= 20
+    assert isinstance(payload["provenance"], list)
+
+
+def test_generate_chat_stream_and_sampling(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(tiny_dir), "--chat", "--max-new-tokens", "12", "--temperature", "0.7"]
+    code, out, err = run(capsys, *argv, "--seed", "3", "--stream", "--json", "hi")
+    assert code == 0
+    first = json.loads(out)
+    code, out, _ = run(capsys, *argv, "--seed", "3", "--json", "hi")
+    assert json.loads(out)["token_ids"] == first["token_ids"]
+    assert err.strip() == first["text"].strip()  # the stream went to stderr
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--mode", "nope"], "unknown mode 'nope'"),
+        (["--mode", "pld:window=3"], "takes options"),
+        (["--mode", "pld+h:layer=99"], "outside"),
+        (["--max-new-tokens", "5000"], "exceeds the model's context"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--temperature", "0.5", "--top-p", "0"], "top_p must be in (0, 1]"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    code, out, err = run(capsys, "generate", "--model", str(tiny_dir), *extra, "hello")
+    assert code == 2
+    assert out == ""
+    assert message in err and err.startswith("specdraft: error:")
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path), "hello")
+    assert code == 2 and "not a Hugging Face model directory" in err
+
+
+def test_bench_json_table_and_plot(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        json.dumps({"question_id": "a", "category": "copy", "turns": ["Repeat: a b c a b c", "Again"]})
+        + "\n"
+        + json.dumps({"question_id": "b", "category": "open", "turns": ["Say something."]})
+        + "\n"
+    )
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--questions",
+        str(questions),
+        "--modes",
+        "pld,pld+h,hf-ar,hf-pld",
+        "--max-new-tokens",
+        "16",
+        "--json-out",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    )
+    assert code == 0
+    report = json.loads(out_json.read_text())
+    assert list(report["modes"]) == ["ar", "pld", "pld+h", "hf-ar", "hf-pld"]
+    for name, mode in report["modes"].items():
+        assert {"tokens_per_second", "speedup_vs_ar", "tau", "acceptance_rate", "identical_to_ar"} <= set(
+            mode
+        )
+        assert set(mode["per_category"]) == {"copy", "open"}
+        assert mode["outputs"] == 3
+        if name in ("pld", "pld+h", "hf-ar"):  # greedy and lossless: the same tokens as ar
+            assert mode["identical_to_ar"], name
+    assert report["modes"]["ar"]["tau"] == pytest.approx(1.0)
+    assert {"cpu", "torch", "dtype", "verify_cost_ms_at_512"} <= set(report["machine"])
+    assert out_png.stat().st_size > 1000
+    assert "tok/s" in out
+
+
+@pytest.mark.slow
+def test_generate_on_the_default_model_in_a_subprocess() -> None:
+    """The installed console script, the default model, the documented flags."""
+    cmd = [sys.executable, "-m", "client.cli", "generate", "--mode", "pld+h", "--chat", "--json"]
+    cmd += ["--max-new-tokens", "24", "Repeat exactly: the quick brown fox jumps over the lazy dog."]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads(proc.stdout)
+    assert payload["mode"] == "pld+h"
+    assert payload["stats"]["new_tokens"] == len(payload["token_ids"]) > 0
+    assert torch.tensor(payload["token_ids"]).max() < 49152

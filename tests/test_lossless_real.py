@@ -1,0 +1,112 @@
+"""Every mode against ``ar`` on the real default model (SmolLM2-135M-Instruct, float32)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+
+import pytest
+import torch
+from conftest import assert_greedy_identical, chat_ids, greedy_tokens
+from scipy import stats
+
+from llm_worker.config import SamplingParams
+from llm_worker.drafters import DRAFTERS
+from llm_worker.engine import GenerationRequest
+from llm_worker.sampling import warp_logits
+from llm_worker.types import ArtifactNeeds, DraftTree
+from llm_worker.verify.verifier import verify_sampling
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 80  # every answer must reach 64 tokens (checked)
+
+
+def varied_prompts() -> list[str]:
+    """Copy-heavy tasks (drafts often right) and open-ended ones (drafts often wrong)."""
+    dedent_src = inspect.getsource(textwrap.dedent)
+    dumps_doc = inspect.getdoc(json.dumps) or ""
+    indent_src = inspect.getsource(textwrap.indent)
+    return [
+        "Rename the variable `lines` to `rows` in this function:\n\n" + dedent_src,
+        "Summarize this documentation in two sentences:\n\n" + dumps_doc,
+        "Rewrite this function with type hints and a longer docstring:\n\n" + indent_src,
+        "Write a short poem about the sea at night.",
+        "Give five tips for staying healthy, with a short paragraph explaining each one.",
+        "Explain what a hash table is to a ten-year-old.",
+        "Write a short story about a fox and a dog who become friends.",
+        "Translate this paragraph into French: 'The cat sleeps on the warm window sill every afternoon. "
+        "When the sun goes down, it wakes up, stretches, and walks to the kitchen to ask for its dinner.'",
+        "Count from 1 to 30, separated by commas.",
+        "Describe the water cycle step by step.",
+        "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+        "List the days of the week and the months of the year.",
+    ]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(real_model) -> list[list[int]]:
+    _, tokenizer = real_model
+    return [chat_ids(tokenizer, text) for text in varied_prompts()]
+
+
+def test_greedy_every_mode_is_token_identical_to_ar(real_model, real_engine, prompt_ids) -> None:
+    target, _ = real_model
+    modes = [m for m in DRAFTERS.available(target) if m != "ar" and not m.startswith("test-")]
+    assert {"pld", "pld+h", "pld+a"} <= set(modes)
+    drafted = dict.fromkeys(modes, 0)
+    for i, prompt in enumerate(prompt_ids):
+        ref = greedy_tokens(real_engine, prompt, "ar", NEW_TOKENS)
+        assert len(ref) >= 64, f"prompt {i} stopped after {len(ref)} tokens: too short to prove anything"
+        for mode in modes:
+            res = real_engine.generate(GenerationRequest(tuple(prompt), NEW_TOKENS, mode))
+            drafted[mode] += res.stats.drafted_tokens
+            assert_greedy_identical(target, prompt, ref, res.token_ids, f"real/{mode}/prompt{i}")
+    assert all(drafted[m] > 0 for m in modes), drafted
+
+
+def test_pld_plus_reports_provenance_of_copied_spans(real_model, real_engine, prompt_ids) -> None:
+    prompt = prompt_ids[0]
+    for mode in ("pld+h", "pld+a"):
+        res = real_engine.generate(GenerationRequest(tuple(prompt), NEW_TOKENS, mode))
+        assert res.provenance, mode
+        context = list(prompt) + res.token_ids
+        for span in res.provenance:
+            out = res.token_ids[span.output_start : span.output_start + span.length]
+            src = context[span.source_start : span.source_start + span.length]
+            assert out == src, (mode, span)
+            assert span.source_start + span.length <= len(prompt) + span.output_start
+
+
+def test_sampling_runs_in_every_mode_and_is_seeded(real_model, real_engine, prompt_ids) -> None:
+    target, _ = real_model
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    for mode in ("ar", "pld", "pld+h", "pld+a"):
+        req = GenerationRequest(tuple(prompt_ids[0]), 24, mode, params)
+        a = real_engine.generate(req).token_ids
+        assert a == real_engine.generate(req).token_ids
+        assert all(0 <= t < target.info.vocab_size for t in a)
+
+
+def test_rejection_sampling_on_real_distributions(real_model, prompt_ids) -> None:
+    """The verifier's first emitted token follows the real model's warped distribution."""
+    target, _ = real_model
+    prompt = prompt_ids[0]
+    with torch.inference_mode():
+        out = target.forward(target.start(), torch.tensor(prompt), None, ArtifactNeeds())
+    params = SamplingParams(temperature=1.0, top_k=8)
+    p = warp_logits(out.logits[-1:], params)[0]
+    support = torch.nonzero(p).flatten().tolist()
+    # A likely and an unlikely draft token, as a copy drafter would propose them.
+    tree = DraftTree.from_sequences([[support[1]], [support[-1]]])
+    gen = torch.Generator().manual_seed(0)
+    n = 6000
+    counts = dict.fromkeys(support, 0)
+    for _ in range(n):
+        res = verify_sampling(p.expand(len(tree) + 1, -1), tree, gen)
+        first = tree.tokens[res.accepted[0]] if res.accepted else res.bonus
+        counts[first] += 1
+    mass = sum(float(p[t]) for t in support)
+    expected = [float(p[t]) / mass * n for t in support]
+    assert stats.chisquare([counts[t] for t in support], expected).pvalue > 1e-3

@@ -1,0 +1,85 @@
+"""The cost curve and the draft-size rule."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_target
+
+from llm_worker.config import CostConfig, PlannerConfig
+from llm_worker.planner import AcceptanceModel, CostCurve, DraftPlanner, measure_cost_curve
+from llm_worker.types import DraftTree, Outcome, VerifyResult
+
+
+def test_curve_interpolates_in_size_and_context() -> None:
+    curve = CostCurve((1, 5), (100, 300), ((1.0, 2.0), (3.0, 6.0)))
+    assert curve.t(1, 100) == 1.0
+    assert curve.t(3, 100) == pytest.approx(1.5)
+    assert curve.t(3, 200) == pytest.approx((1.5 + 4.5) / 2)
+    assert curve.t(9, 100) == pytest.approx(3.0)  # beyond the largest size: last slope continues
+    assert curve.relative(5, 300) == pytest.approx(2.0)
+    assert CostCurve.from_json(curve.to_json()) == curve
+
+
+def _planner(curve: CostCurve, p: float) -> DraftPlanner:
+    planner = DraftPlanner(curve, PlannerConfig(max_draft_tokens=64, prior_accept=p, prior_weight=1e6))
+    return planner
+
+
+def chain(n: int) -> DraftTree:
+    return DraftTree.chain(list(range(n)), features=["f"] * n)
+
+
+def test_flat_gpu_like_curve_verifies_long_drafts() -> None:
+    plan = _planner(CostCurve.linear(0.02, 0.00002), 0.8).plan(chain(40), 500)
+    assert len(plan.tree) >= 20
+
+
+def test_steep_cpu_curve_verifies_short_drafts() -> None:
+    # Each extra token costs 6% of a forward: with 80% acceptance a handful of tokens pays off.
+    plan = _planner(CostCurve.linear(0.04, 0.04 * 0.06), 0.8).plan(chain(40), 500)
+    assert 2 <= len(plan.tree) <= 12
+    # With 95% acceptance the same curve wants longer drafts.
+    longer = _planner(CostCurve.linear(0.04, 0.04 * 0.06), 0.95).plan(chain(40), 500)
+    assert len(longer.tree) > len(plan.tree)
+
+
+def test_hopeless_drafts_are_not_verified() -> None:
+    planner = _planner(CostCurve.linear(0.04, 0.04), 0.05)  # each token doubles the cost
+    assert len(planner.plan(chain(10), 500).tree) == 0
+
+
+def test_the_choice_maximises_expected_tokens_per_second() -> None:
+    curve = CostCurve.linear(0.04, 0.004)
+    planner = _planner(curve, 0.7)
+    plan = planner.plan(chain(30), 100)
+    k = len(plan.tree)
+
+    def rate(m: int) -> float:
+        return sum(0.7**i for i in range(m + 1)) / curve.t(1 + m, 100)
+
+    assert all(rate(k) >= rate(m) - 1e-12 for m in range(31))
+
+
+def test_acceptance_is_learned_per_feature_and_depth() -> None:
+    model = AcceptanceModel(PlannerConfig(prior_accept=0.5, prior_weight=2.0, decay=1.0))
+    tree = DraftTree.chain([1, 2, 3], features=["good", "good", "good"])
+    for _ in range(50):
+        model.observe(tree, VerifyResult((0, 1), 9, (Outcome.ACCEPTED, Outcome.ACCEPTED, Outcome.REJECTED)))
+    assert model.p("good", 1) > 0.95
+    assert model.p("good", 3) < 0.05
+    assert model.p("other", 1) == pytest.approx(0.5)
+
+
+def test_tree_plans_keep_whole_paths() -> None:
+    tree = DraftTree.from_sequences([[1, 2, 3], [1, 4], [5]], features=[["a"] * 3, ["a"] * 2, ["a"]])
+    plan = _planner(CostCurve.linear(0.04, 0.01), 0.6).plan(tree, 100)
+    kept = plan.tree
+    assert all(p < i for i, p in enumerate(kept.parents))
+
+
+def test_measured_curve_on_a_tiny_model_is_sane() -> None:
+    target = tiny_target("llama")
+    curve = measure_cost_curve(target, CostConfig(sizes=(1, 4, 16), contexts=(32, 64), repeats=2), 17)
+    assert curve.sizes == (1, 4, 16, 17)
+    assert curve.contexts == (32, 64)
+    assert all(t > 0 for row in curve.seconds for t in row)
