@@ -129,7 +129,8 @@ def measure_cost_curve(target: TargetModel, cfg: CostConfig, max_size: int) -> C
 def cost_cache_path(target: TargetModel) -> Path:
     i = target.info
     threads = torch.get_num_threads()
-    key = f"{i.fingerprint}-{i.backend}-{i.dtype}-{i.device}-t{threads}-torch{torch.__version__}"
+    backend = i.backend + target.kernel_variant
+    key = f"{i.fingerprint}-{backend}-{i.dtype}-{i.device}-t{threads}-torch{torch.__version__}"
     return cache_root() / "cost" / (key.replace("/", "_").replace(":", "_") + ".json")
 
 

@@ -89,3 +89,17 @@ def test_non_llama_models_fall_back_to_transformers_backend() -> None:
     assert target.info.backend == "hf"
     with pytest.raises(ValueError, match="not one of"):
         wrap_model(tiny_model("gpt2"), None, ModelConfig(backend="fast"))
+
+
+@pytest.mark.parametrize("min_rows", [None, 1, 4])
+def test_packed_gemm_path_matches_transformers(min_rows: int | None) -> None:
+    model = tiny_model("llama")
+    target = wrap_model(model, None, ModelConfig(backend="fast", packed_gemm_min_rows=min_rows))
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = reference_logits(model, ids)
+    with torch.inference_mode():
+        state = target.start()
+        for lo, hi in ((0, 2), (2, 8), (8, 9), (9, 24)):  # row counts on both sides of the threshold
+            out = target.forward(state, torch.tensor(ids[lo:hi]), None, NONE)
+            target.commit(state, range(hi - lo))
+            assert torch.allclose(out.logits, ref[lo:hi], atol=1e-4)

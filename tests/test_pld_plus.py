@@ -9,10 +9,10 @@ from llm_worker.drafters.base import DraftContext
 from llm_worker.drafters.pld_plus import (
     AttentionDrafter,
     HiddenStateDrafter,
-    best_copy,
     occurrences,
     rank_by_attention,
     rank_by_hidden,
+    top_copies,
 )
 
 
@@ -75,5 +75,15 @@ def test_pld_a_drafts_after_the_most_attended_occurrence() -> None:
 
 
 def test_ties_go_to_the_most_recent_occurrence() -> None:
-    tree = best_copy(arr(5, 1, 5, 2, 5), np.array([0, 2]), torch.tensor([0.5, 0.5]), 1, "a", None)
+    tree = top_copies(arr(5, 1, 5, 2, 5), np.array([0, 2]), torch.tensor([0.5, 0.5]), 1, "a", None)
     assert tree.tokens == (2,)
+
+
+def test_branches_merge_the_top_continuations_into_a_tree() -> None:
+    tokens = arr(7, 1, 2, 7, 1, 3, 7, 4, 5, 7)  # root 7; occurrences 0, 3, 6
+    scores = torch.tensor([0.9, 0.8, 0.1])
+    tree = top_copies(tokens, np.array([0, 3, 6]), scores, 2, "a", None, branches=2)
+    assert tree.tokens == (1, 2, 3) and tree.parents == (-1, 0, 0)  # [1, 2] and [1, 3] share the 1
+    assert tree.sources == (1, 2, 5)
+    assert tree.features[2].startswith("a8|")
+    assert len(top_copies(tokens, np.array([0, 3, 6]), scores, 2, "a", 0.85, branches=3)) == 2

@@ -29,7 +29,7 @@ from llm_worker.drafters.base import (
     int_option,
 )
 from llm_worker.drafters.heads import find_heads_file, load_heads
-from llm_worker.drafters.pld import common_suffix_length, copy_draft, match_bucket
+from llm_worker.drafters.pld import common_suffix_length, match_bucket
 from llm_worker.model.target import TargetModel
 from llm_worker.types import ArtifactNeeds, DraftTree
 
@@ -70,25 +70,51 @@ def score_bucket(prefix: str, score: float) -> str:
     return f"{prefix}{min(max(int(score * 10), 0), 9)}"
 
 
-def best_copy(
-    tokens: np.ndarray, occ: np.ndarray, scores: torch.Tensor, budget: int, prefix: str, theta: float | None
+def top_copies(
+    tokens: np.ndarray,
+    occ: np.ndarray,
+    scores: torch.Tensor,
+    budget: int,
+    prefix: str,
+    theta: float | None,
+    branches: int = 1,
 ) -> DraftTree:
-    """Draft what follows the best-scoring occurrence (ties: the most recent)."""
+    """Draft what follows the best-scoring occurrences (ties: the most recent first).
+
+    ``branches`` > 1 merges the continuations of the top occurrences into a tree (shared
+    prefixes once); each branch carries its own score as acceptance feature, so the planner can
+    keep the likely branches and drop the others.
+    """
     if occ.size == 0 or budget <= 0:
         return DraftTree.empty()
-    values = scores.float()
-    top = float(values.max())
-    if theta is not None and top < theta:
+    values = scores.float().tolist()
+    order = sorted(range(len(values)), key=lambda i: (-values[i], -int(occ[i])))
+    seqs: list[list[int]] = []
+    srcs: list[list[int]] = []
+    feats: list[list[str]] = []
+    last = len(tokens) - 1
+    for i in order:
+        if len(seqs) == branches or (theta is not None and values[i] < theta):
+            break
+        start = int(occ[i]) + 1
+        seq = tokens[start : start + budget].tolist()
+        if not seq or seq in seqs:
+            continue
+        agree = common_suffix_length(tokens, int(occ[i]), last)
+        feature = f"{score_bucket(prefix, values[i])}|{match_bucket(agree)}"
+        seqs.append(seq)
+        srcs.append(list(range(start, start + len(seq))))
+        feats.append([feature] * len(seq))
+    if not seqs:
         return DraftTree.empty()
-    best = int(occ[int(torch.nonzero(values == top).max())])
-    agree = common_suffix_length(tokens, best, len(tokens) - 1)
-    feature = f"{score_bucket(prefix, top)}|{match_bucket(agree)}"
-    return copy_draft(tokens, best + 1, budget, feature)
+    if len(seqs) == 1:
+        return DraftTree.chain(seqs[0], sources=srcs[0], features=feats[0])
+    return DraftTree.from_sequences(seqs, srcs, feats)
 
 
 class HiddenStateDrafter(Drafter):
-    def __init__(self, layer: int, theta: float | None) -> None:
-        self.layer, self.theta = layer, theta
+    def __init__(self, layer: int, theta: float | None, branches: int = 1) -> None:
+        self.layer, self.theta, self.branches = layer, theta, branches
         self.needs = ArtifactNeeds(hidden_layers=frozenset({layer}))
 
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -96,12 +122,12 @@ class HiddenStateDrafter(Drafter):
         if occ.size == 0:
             return DraftTree.empty()
         scores = rank_by_hidden(ctx.hidden(self.layer), occ)
-        return best_copy(ctx.tokens, occ, scores, ctx.budget, "h", self.theta)
+        return top_copies(ctx.tokens, occ, scores, ctx.budget, "h", self.theta, self.branches)
 
 
 class AttentionDrafter(Drafter):
-    def __init__(self, heads: tuple[tuple[int, int], ...], theta: float | None) -> None:
-        self.heads, self.theta = heads, theta
+    def __init__(self, heads: tuple[tuple[int, int], ...], theta: float | None, branches: int = 1) -> None:
+        self.heads, self.theta, self.branches = heads, theta, branches
         self.needs = ArtifactNeeds(query_heads=heads)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -109,7 +135,7 @@ class AttentionDrafter(Drafter):
         if occ.size == 0:
             return DraftTree.empty()
         scores = rank_by_attention(ctx.attention(), occ)
-        return best_copy(ctx.tokens, occ, scores, ctx.budget, "a", self.theta)
+        return top_copies(ctx.tokens, occ, scores, ctx.budget, "a", self.theta, self.branches)
 
 
 def default_hidden_layer(target: TargetModel) -> int:
@@ -120,17 +146,20 @@ def default_hidden_layer(target: TargetModel) -> int:
 
 
 @DRAFTERS.register(
-    "pld+h", "PLD+: occurrences of the last token ranked by hidden-state similarity", ("layer", "theta")
+    "pld+h",
+    "PLD+: occurrences of the last token ranked by hidden-state similarity",
+    ("layer", "theta", "branches"),
 )
 def _make_pld_h(target: TargetModel, options: dict[str, str]) -> Drafter:
     layer = int_option(options, "layer", default_hidden_layer(target), 0, target.info.num_layers)
-    return HiddenStateDrafter(layer, float_option(options, "theta", None))
+    branches = int_option(options, "branches", 1, 1, 16)
+    return HiddenStateDrafter(layer, float_option(options, "theta", None), branches)
 
 
 @DRAFTERS.register(
     "pld+a",
     "PLD+: occurrences of the last token ranked by induction-head attention",
-    ("heads", "theta", "file"),
+    ("heads", "theta", "file", "branches"),
 )
 def _make_pld_a(target: TargetModel, options: dict[str, str]) -> Drafter:
     if not target.supports_queries:
@@ -147,4 +176,5 @@ def _make_pld_a(target: TargetModel, options: dict[str, str]) -> Drafter:
         )
     heads = load_heads(path)
     count = int_option(options, "heads", DEFAULT_HEADS, 1, target.info.num_layers * target.info.num_heads)
-    return AttentionDrafter(heads.top(count), float_option(options, "theta", None))
+    branches = int_option(options, "branches", 1, 1, 16)
+    return AttentionDrafter(heads.top(count), float_option(options, "theta", None), branches)

@@ -25,7 +25,9 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
     if cfg.backend == "auto" and reason:
         log.info("fast backend unavailable (%s); using the transformers forward", reason)
     info = describe(model, tokenizer, cfg.dtype, cfg.device, backend, cfg.max_context)
-    return FastLlamaTarget(model, info) if backend == "fast" else HFTarget(model, info)
+    if backend == "fast":
+        return FastLlamaTarget(model, info, cfg.packed_gemm_min_rows)
+    return HFTarget(model, info)
 
 
 def load_target(cfg: ModelConfig) -> tuple[TargetModel, Any]:
@@ -36,6 +38,7 @@ def load_target(cfg: ModelConfig) -> tuple[TargetModel, Any]:
         torch.set_num_threads(cfg.threads)
     path = resolve_model_dir(cfg.path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.dtype)).to(cfg.device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.dtype))
+    model = model.to(torch.device(cfg.device))  # type: ignore[arg-type]  # transformers types .to oddly
     model.requires_grad_(False)
     return wrap_model(model, tokenizer, cfg), tokenizer

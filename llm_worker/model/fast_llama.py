@@ -49,16 +49,42 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
+def packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class _Linear:
+    """y = x W^T + b, with a second, oneDNN-prepacked copy of W for forwards of many rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed_min_rows: int | None) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias  # [out]
+        self.min_rows = packed_min_rows
+        self.packed = None
+        if packed_min_rows is not None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [1, n, in] → [1, n, out]."""
+        if self.packed is not None and self.min_rows is not None and x.shape[-2] >= self.min_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 @dataclass
 class _Layer:
     ln_attn: torch.Tensor  # [hidden]
-    w_qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    b_qkv: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    w_o: torch.Tensor  # [hidden, heads * head_dim]
-    b_o: torch.Tensor | None
+    qkv: _Linear  # [hidden] → [(heads + 2 * kv_heads) * head_dim]
+    o: _Linear  # [heads * head_dim] → [hidden]
     ln_mlp: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    w_down: torch.Tensor  # [hidden, intermediate]
+    gate_up: _Linear  # [hidden] → [2 * intermediate]
+    down: _Linear  # [intermediate] → [hidden]
 
 
 class _KVState(SequenceState):
@@ -90,7 +116,7 @@ def _fuse_bias(linears: Sequence[torch.nn.Linear]) -> torch.Tensor | None:
 
 
 class FastLlamaTarget(TargetModel):
-    def __init__(self, model: Any, info: TargetInfo) -> None:
+    def __init__(self, model: Any, info: TargetInfo, packed_gemm_min_rows: int | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast backend: {reason}")
@@ -104,26 +130,34 @@ class FastLlamaTarget(TargetModel):
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm = inner.norm.weight.detach()
-        self.lm_head = model.lm_head
+        rows = packed_gemm_min_rows if packed_gemm_available(self.device, self.dtype) else None
+        self.packed_gemm_min_rows = rows
+        head = model.lm_head
+        self.lm_head = _Linear(head.weight.detach(), head.bias, rows)
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            o_bias = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
             self.layers.append(
                 _Layer(
                     ln_attn=layer.input_layernorm.weight.detach(),
-                    w_qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    b_qkv=_fuse_bias([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    w_o=attn.o_proj.weight.detach(),
-                    b_o=attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None,
+                    qkv=_Linear(_fuse(qkv), _fuse_bias(qkv), rows),
+                    o=_Linear(attn.o_proj.weight.detach(), o_bias, rows),
                     ln_mlp=layer.post_attention_layernorm.weight.detach(),
-                    w_gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
-                    w_down=mlp.down_proj.weight.detach(),
+                    gate_up=_Linear(_fuse([mlp.gate_proj, mlp.up_proj]), None, rows),
+                    down=_Linear(mlp.down_proj.weight.detach(), None, rows),
                 )
             )
 
     @property
     def supports_queries(self) -> bool:
         return True
+
+    @property
+    def kernel_variant(self) -> str:
+        rows = self.packed_gemm_min_rows
+        return "" if rows is None else f"-packed{rows}"
 
     # -- KV state ---------------------------------------------------------------------------
 
@@ -214,7 +248,7 @@ class FastLlamaTarget(TargetModel):
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln_attn)
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [1, n, (heads + 2 kv) * head_dim]
+            qkv = layer.qkv(x)  # [1, n, (heads + 2 kv) * head_dim]
             q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
             q = self._rotate(q.view(1, n, heads, head_dim).transpose(1, 2), cos, sin)  # [1, heads, n, d]
             k = self._rotate(k.view(1, n, kv_heads, head_dim).transpose(1, 2), cos, sin)  # [1, kv, n, d]
@@ -230,9 +264,9 @@ class FastLlamaTarget(TargetModel):
                 attn_mask=mask,
                 enable_gqa=heads != kv_heads,
             )  # [1, heads, n, d]
-            h = h + F.linear(attn.transpose(1, 2).reshape(1, n, q_size), layer.w_o, layer.b_o)
-            gate, up = F.linear(self._rms(h, layer.ln_mlp), layer.w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            h = h + layer.o(attn.transpose(1, 2).reshape(1, n, q_size))
+            gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
             if index + 1 in needs.hidden_layers:
                 out.hidden[index + 1] = h[0]
         out.logits = self.lm_head(self._rms(h, self.norm))[0].float()

@@ -77,7 +77,7 @@ def convert_gguf(gguf: Path, out_dir: Path, model_id: str) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are now plain float32: drop the GGUF quantisation record so that
         # save_pretrained writes an ordinary checkpoint.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config._name_or_path = model_id

@@ -85,6 +85,11 @@ class TargetModel(ABC):
     def supports_queries(self) -> bool:
         return False
 
+    @property
+    def kernel_variant(self) -> str:
+        """What besides model, dtype and device changes the forward's speed (keys cost curves)."""
+        return ""
+
 
 def weights_fingerprint(config: dict[str, Any], embed: torch.Tensor) -> str:
     """A short id of a checkpoint: its architecture plus a sample of its embedding matrix."""
