@@ -27,11 +27,11 @@ class ModelConfig:
     """torch intra-op threads on CPU; None keeps torch's default (one per core)."""
     max_context: int | None = None
     """Upper bound on prompt + generated tokens; None means the model's own limit."""
-    packed_gemm_min_rows: int | None = 4
-    """Fast backend on CPU: forwards of at least this many rows multiply by weights prepacked
-    for oneDNN, whose small-batch GEMM is much faster than MKL's beyond 3 rows on AVX-512
-    machines (measured: a 17-row verify 128 → 102 ms); fewer rows keep MKL (faster for 1-3).
-    Costs a second copy of the weights. None disables."""
+    packed_gemm_rows: tuple[int, int] | None = (4, 127)
+    """Fast backend on CPU: forwards whose row count lies in this range multiply by weights
+    prepacked for oneDNN, whose small-batch GEMM is much faster than MKL's beyond 3 rows on
+    AVX-512 machines (measured: a 17-row verify 128 → 97 ms); MKL stays faster for 1-3 rows and
+    slightly faster for large prefills. Costs a second copy of the weights. None disables."""
     backend: Literal["auto", "fast", "hf"] = "auto"
     """"fast": our Llama-family forward over a preallocated KV cache (trees, hidden states and
     per-head queries for free); "hf": the model's own transformers forward (any causal LM);

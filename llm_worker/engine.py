@@ -28,6 +28,11 @@ from llm_worker.verify.tree import tree_buffers
 from llm_worker.verify.verifier import verify_greedy, verify_sampling
 
 
+def _top_probability(logits: torch.Tensor) -> float:
+    """The target's top-1 probability for one row of logits: [vocab] (an acceptance feature)."""
+    return float(torch.softmax(logits.float(), dim=-1).max())
+
+
 class InvalidRequestError(ValueError):
     """A request the engine refuses before doing any work."""
 
@@ -110,11 +115,14 @@ class _Artifacts:
 
 
 class _ModeRuntime:
-    """What the engine keeps per mode across requests: the drafter and its planner."""
+    """What the engine keeps per mode across requests: the drafter and its planners.
 
-    def __init__(self, drafter: Drafter, planner: DraftPlanner | None) -> None:
+    Greedy and sampled requests accept drafts at different rates, so each learns its own.
+    """
+
+    def __init__(self, drafter: Drafter, greedy: DraftPlanner | None, sampled: DraftPlanner | None) -> None:
         self.drafter = drafter
-        self.planner = planner
+        self.planners = {True: greedy, False: sampled}
         self.lock = threading.Lock()
 
 
@@ -145,9 +153,11 @@ class Engine:
             if rt is not None:
                 return rt
         drafter = DRAFTERS.create(mode, self.target)  # may raise UnknownModeError / ModeUnavailableError
-        planner = DraftPlanner(self.cost_curve, self.config.planner) if drafter.proposes else None
+        planners: list[DraftPlanner | None] = [None, None]
+        if drafter.proposes:
+            planners = [DraftPlanner(self.cost_curve, self.config.planner) for _ in range(2)]
         with self._lock:
-            return self._modes.setdefault(mode, _ModeRuntime(drafter, planner))
+            return self._modes.setdefault(mode, _ModeRuntime(drafter, *planners))
 
     def validate(self, req: GenerationRequest) -> None:
         info = self.target.info
@@ -192,7 +202,7 @@ class Engine:
         return sample(warp_logits(logits[None], sampling)[0], gen)
 
     def _decode(self, req: GenerationRequest, rt: _ModeRuntime) -> Iterator[StepOutput | GenerationResult]:
-        target, drafter, planner = self.target, rt.drafter, rt.planner
+        target, drafter, planner = self.target, rt.drafter, rt.planners[req.sampling.greedy]
         needs = drafter.needs
         sampling = req.sampling
         eos = set(target.info.eos_token_ids) if req.stop_at_eos else set()
@@ -208,12 +218,13 @@ class Engine:
         out = None
         for lo in range(0, len(prompt), chunk):
             piece = prompt[lo : lo + chunk]
-            out = target.forward(state, piece, None, needs)
+            out = target.forward(state, piece, None, needs, last_logits_only=True)
             rows = list(range(len(piece)))
             target.commit(state, rows)
             artifacts.record(out, rows)
         assert out is not None
         first = self._pick_first(out.logits[-1], sampling, gen)
+        confidence = _top_probability(out.logits[-1])
         stats.observe_prefill(time.perf_counter() - began)
 
         capacity = len(prompt) + req.max_new_tokens + 1
@@ -241,7 +252,7 @@ class Engine:
                     with rt.lock:
                         tree = drafter.propose(ctx)
                         if len(tree):
-                            tree = planner.plan(tree, length).tree
+                            tree = planner.plan(tree, length, confidence).tree
             t1 = time.perf_counter()
 
             inputs = torch.tensor((int(tokens[length - 1]), *tree.tokens), dtype=torch.long)
@@ -253,6 +264,7 @@ class Engine:
                 result = verify_sampling(warp_logits(out.logits, sampling), tree, gen)
             rows = [0] + [node + 1 for node in result.accepted]
             target.commit(state, rows)
+            step_confidence, confidence = confidence, _top_probability(out.logits[rows[-1]])
             artifacts.record(out, rows)
             t2 = time.perf_counter()
 
@@ -275,7 +287,7 @@ class Engine:
             stats.observe_step(len(tree), result.num_accepted, len(emitted), t1 - t0, t2 - t1)
             if len(tree) and planner is not None:
                 with rt.lock:
-                    planner.observe(tree, result)
+                    planner.observe(tree, result, step_confidence)
                     drafter.observe(tree, result)
             yield StepOutput(emitted)
 

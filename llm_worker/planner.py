@@ -5,7 +5,8 @@ Two measured inputs:
 - the verify cost curve t(n, L): seconds for one target forward of n new tokens after L cached
   ones, measured on this machine at start-up (and cached per model, dtype, device, threads);
 - the acceptance model: P(node accepted | its parent accepted), learned online per drafter
-  from verification outcomes, keyed by the drafter's feature for the node and the node's depth.
+  from verification outcomes, keyed by the drafter's feature for the node, the node's depth and
+  the target's confidence in the root token.
 
 A node's chance to be accepted is the product of those conditional chances along its path, so
 the expected tokens of a step that verifies nodes S is E(S) = 1 + Σ_{v∈S} P(v) (the bonus token
@@ -38,6 +39,7 @@ from llm_worker.types import ArtifactNeeds, DraftTree, Outcome, VerifyResult
 log = logging.getLogger(__name__)
 
 DEPTH_BOUNDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+CONFIDENCE_BOUNDS = (0.3, 0.6, 0.9, 0.99)
 
 
 @dataclass(frozen=True)
@@ -158,28 +160,50 @@ def depth_bucket(depth: int) -> int:
     return DEPTH_BOUNDS[min(bisect.bisect_left(DEPTH_BOUNDS, depth), len(DEPTH_BOUNDS) - 1)]
 
 
+def confidence_bucket(confidence: float) -> float:
+    """The target's top-1 probability when it produced the root, coarsely."""
+    for bound in CONFIDENCE_BOUNDS:
+        if confidence < bound:
+            return bound
+    return 1.0
+
+
 @dataclass
 class AcceptanceModel:
-    """P(node accepted | parent accepted), per (drafter feature, depth bucket), Beta-smoothed."""
+    """P(node accepted | parent accepted), learned from verification outcomes.
+
+    Keyed by (drafter feature, depth bucket, confidence bucket), where the confidence is the
+    target's top-1 probability at the step that produced the root: a model that is sure of its
+    next token is usually copying, and copies continue. Estimates are Beta-smoothed towards the
+    pooled estimate over all features at that depth and confidence, itself smoothed towards the
+    configured prior, so a rare feature borrows strength from the common ones.
+    """
 
     cfg: PlannerConfig
-    counts: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # key -> [accepted, seen]
+    fine: dict[tuple[str, int, float], list[float]] = field(default_factory=dict)  # key -> [accepted, seen]
+    pooled: dict[tuple[int, float], list[float]] = field(default_factory=dict)
 
-    def p(self, feature: str, depth: int) -> float:
-        acc, seen = self.counts.get((feature, depth_bucket(depth)), (0.0, 0.0))
+    def p(self, feature: str, depth: int, confidence: float = 1.0) -> float:
+        d, c = depth_bucket(depth), confidence_bucket(confidence)
         w = self.cfg.prior_weight
-        return (acc + w * self.cfg.prior_accept) / (seen + w)
+        acc, seen = self.pooled.get((d, c), (0.0, 0.0))
+        prior = (acc + w * self.cfg.prior_accept) / (seen + w)
+        acc, seen = self.fine.get((feature, d, c), (0.0, 0.0))
+        return (acc + w * prior) / (seen + w)
 
-    def observe(self, tree: DraftTree, result: VerifyResult) -> None:
+    def observe(self, tree: DraftTree, result: VerifyResult, confidence: float = 1.0) -> None:
         depths = tree.depths()
         decay = self.cfg.decay
+        c = confidence_bucket(confidence)
         for node, outcome in enumerate(result.outcomes):
             if outcome == Outcome.UNREACHED:
                 continue
-            key = (tree.feature(node), depth_bucket(depths[node]))
-            entry = self.counts.setdefault(key, [0.0, 0.0])
-            entry[0] = entry[0] * decay + (1.0 if outcome == Outcome.ACCEPTED else 0.0)
-            entry[1] = entry[1] * decay + 1.0
+            d = depth_bucket(depths[node])
+            hit = 1.0 if outcome == Outcome.ACCEPTED else 0.0
+            for table, key in ((self.fine, (tree.feature(node), d, c)), (self.pooled, (d, c))):
+                entry = table.setdefault(key, [0.0, 0.0])  # type: ignore[attr-defined]
+                entry[0] = entry[0] * decay + hit
+                entry[1] = entry[1] * decay + 1.0
 
 
 @dataclass
@@ -202,14 +226,18 @@ class DraftPlanner:
         """Most draft tokens worth asking for: never more than can still be emitted."""
         return max(0, min(self.cfg.max_draft_tokens, self.curve.sizes[-1] - 1, remaining_tokens - 1))
 
-    def plan(self, tree: DraftTree, context: int) -> Plan:
+    def plan(self, tree: DraftTree, context: int, confidence: float = 1.0) -> Plan:
+        """The nodes of ``tree`` worth verifying after ``context`` cached tokens.
+
+        ``confidence``: the target's top-1 probability at the step that produced the root.
+        """
         base = self.curve.t(1, context)
         if not len(tree):
             return Plan(tree, 1.0, base)
         depths = tree.depths()
         reach: list[float] = []
         for node, parent in enumerate(tree.parents):
-            p = self.acceptance.p(tree.feature(node), depths[node])
+            p = self.acceptance.p(tree.feature(node), depths[node], confidence)
             reach.append(p * (reach[parent] if parent >= 0 else 1.0))
         order = sorted(range(len(tree)), key=lambda v: (-reach[v], v))
         best_k, best_rate = 0, 1.0 / base * self.cfg.min_gain
@@ -230,5 +258,5 @@ class DraftPlanner:
         e = 1.0 + sum(reach[v] for v in keep)
         return Plan(chosen, e, self.curve.t(1 + len(keep), context))
 
-    def observe(self, tree: DraftTree, result: VerifyResult) -> None:
-        self.acceptance.observe(tree, result)
+    def observe(self, tree: DraftTree, result: VerifyResult, confidence: float = 1.0) -> None:
+        self.acceptance.observe(tree, result, confidence)

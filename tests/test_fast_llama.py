@@ -65,6 +65,17 @@ def test_tree_rows_equal_their_own_chains_and_commit_compacts_the_cache() -> Non
     assert torch.allclose(nxt.logits[0], ref[-1], atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_last_logits_only(backend: str) -> None:
+    model = tiny_model("llama")
+    target = wrap_model(model, None, ModelConfig(backend=backend))
+    ids = list(range(3, 20))
+    with torch.inference_mode():
+        out = target.forward(target.start(), torch.tensor(ids), None, NONE, last_logits_only=True)
+    assert out.logits.shape == (1, 96)
+    assert torch.allclose(out.logits[0], reference_logits(model, ids)[-1], atol=1e-5)
+
+
 def test_hidden_states_and_queries_are_reported() -> None:
     model = tiny_model("llama")
     target = wrap_model(model, None, ModelConfig(backend="fast"))
@@ -91,10 +102,10 @@ def test_non_llama_models_fall_back_to_transformers_backend() -> None:
         wrap_model(tiny_model("gpt2"), None, ModelConfig(backend="fast"))
 
 
-@pytest.mark.parametrize("min_rows", [None, 1, 4])
-def test_packed_gemm_path_matches_transformers(min_rows: int | None) -> None:
+@pytest.mark.parametrize("rows", [None, (1, 100), (4, 10)])
+def test_packed_gemm_path_matches_transformers(rows: tuple[int, int] | None) -> None:
     model = tiny_model("llama")
-    target = wrap_model(model, None, ModelConfig(backend="fast", packed_gemm_min_rows=min_rows))
+    target = wrap_model(model, None, ModelConfig(backend="fast", packed_gemm_rows=rows))
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = reference_logits(model, ids)
     with torch.inference_mode():

@@ -67,7 +67,19 @@ def test_acceptance_is_learned_per_feature_and_depth() -> None:
         model.observe(tree, VerifyResult((0, 1), 9, (Outcome.ACCEPTED, Outcome.ACCEPTED, Outcome.REJECTED)))
     assert model.p("good", 1) > 0.95
     assert model.p("good", 3) < 0.05
-    assert model.p("other", 1) == pytest.approx(0.5)
+    # An unseen feature borrows the pooled estimate at its depth and confidence...
+    assert model.p("other", 1) > 0.9
+    # ...and with no data at all for a confidence bucket, the prior stands.
+    assert model.p("other", 1, confidence=0.1) == pytest.approx(0.5)
+
+
+def test_target_confidence_separates_acceptance() -> None:
+    model = AcceptanceModel(PlannerConfig(prior_weight=2.0, decay=1.0))
+    tree = DraftTree.chain([1], features=["f"])
+    for _ in range(40):
+        model.observe(tree, VerifyResult((0,), 9, (Outcome.ACCEPTED,)), confidence=0.995)
+        model.observe(tree, VerifyResult((), 9, (Outcome.REJECTED,)), confidence=0.2)
+    assert model.p("f", 1, 0.999) > 0.9 > 0.1 > model.p("f", 1, 0.25)
 
 
 def test_tree_plans_keep_whole_paths() -> None:

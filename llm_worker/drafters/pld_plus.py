@@ -34,7 +34,7 @@ from llm_worker.model.target import TargetModel
 from llm_worker.types import ArtifactNeeds, DraftTree
 
 DEFAULT_HIDDEN_LAYER_FRACTION = 0.5  # replaced per model by the sweep result below
-SWEPT_LAYERS: dict[str, int] = {}  # fingerprint -> best layer (see README, "pld+h layer")
+SWEPT_LAYERS: dict[str, int] = {"28011fabd34fa01b": 17}  # fingerprint -> best layer (README, "pld+h layer")
 DEFAULT_HEADS = 50
 
 

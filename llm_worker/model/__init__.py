@@ -26,7 +26,7 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
         log.info("fast backend unavailable (%s); using the transformers forward", reason)
     info = describe(model, tokenizer, cfg.dtype, cfg.device, backend, cfg.max_context)
     if backend == "fast":
-        return FastLlamaTarget(model, info, cfg.packed_gemm_min_rows)
+        return FastLlamaTarget(model, info, cfg.packed_gemm_rows)
     return HFTarget(model, info)
 
 

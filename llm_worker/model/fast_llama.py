@@ -62,17 +62,19 @@ def packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
 class _Linear:
     """y = x W^T + b, with a second, oneDNN-prepacked copy of W for forwards of many rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed_min_rows: int | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, packed_rows: tuple[int, int] | None
+    ) -> None:
         self.weight = weight  # [out, in]
         self.bias = bias  # [out]
-        self.min_rows = packed_min_rows
+        self.lo, self.hi = packed_rows or (1, 0)
         self.packed = None
-        if packed_min_rows is not None:
+        if packed_rows is not None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [1, n, in] → [1, n, out]."""
-        if self.packed is not None and self.min_rows is not None and x.shape[-2] >= self.min_rows:
+        if self.packed is not None and self.lo <= x.shape[-2] <= self.hi:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -116,7 +118,7 @@ def _fuse_bias(linears: Sequence[torch.nn.Linear]) -> torch.Tensor | None:
 
 
 class FastLlamaTarget(TargetModel):
-    def __init__(self, model: Any, info: TargetInfo, packed_gemm_min_rows: int | None = None) -> None:
+    def __init__(self, model: Any, info: TargetInfo, packed_gemm_rows: tuple[int, int] | None = None) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast backend: {reason}")
@@ -130,8 +132,8 @@ class FastLlamaTarget(TargetModel):
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm = inner.norm.weight.detach()
-        rows = packed_gemm_min_rows if packed_gemm_available(self.device, self.dtype) else None
-        self.packed_gemm_min_rows = rows
+        rows = packed_gemm_rows if packed_gemm_available(self.device, self.dtype) else None
+        self.packed_gemm_rows = rows
         head = model.lm_head
         self.lm_head = _Linear(head.weight.detach(), head.bias, rows)
         self.layers = []
@@ -156,8 +158,8 @@ class FastLlamaTarget(TargetModel):
 
     @property
     def kernel_variant(self) -> str:
-        rows = self.packed_gemm_min_rows
-        return "" if rows is None else f"-packed{rows}"
+        rows = self.packed_gemm_rows
+        return "" if rows is None else f"-packed{rows[0]}to{rows[1]}"
 
     # -- KV state ---------------------------------------------------------------------------
 
@@ -212,7 +214,12 @@ class FastLlamaTarget(TargetModel):
         return x * cos + rotated * sin
 
     def forward(
-        self, state: SequenceState, tokens: torch.Tensor, tree: TreeBuffers | None, needs: ArtifactNeeds
+        self,
+        state: SequenceState,
+        tokens: torch.Tensor,
+        tree: TreeBuffers | None,
+        needs: ArtifactNeeds,
+        last_logits_only: bool = False,
     ) -> ForwardOutput:
         assert isinstance(state, _KVState)
         info = self.info
@@ -231,7 +238,8 @@ class FastLlamaTarget(TargetModel):
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, head_dim]
 
         mask = None  # n == 1: the single row sees the whole cache
-        if n > 1:
+        causal = n > 1 and start == 0 and tree is None  # a first prefill: plain causal attention
+        if n > 1 and not causal:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device)
             if tree is not None:
                 mask[:, start:] = tree.mask.to(self.device)
@@ -262,6 +270,7 @@ class FastLlamaTarget(TargetModel):
                 state.keys[index, :, :, :end],
                 state.values[index, :, :, :end],
                 attn_mask=mask,
+                is_causal=causal,
                 enable_gqa=heads != kv_heads,
             )  # [1, heads, n, d]
             h = h + layer.o(attn.transpose(1, 2).reshape(1, n, q_size))
@@ -269,5 +278,7 @@ class FastLlamaTarget(TargetModel):
             h = h + layer.down(F.silu(gate) * up)
             if index + 1 in needs.hidden_layers:
                 out.hidden[index + 1] = h[0]
+        if last_logits_only:
+            h = h[:, -1:]
         out.logits = self.lm_head(self._rms(h, self.norm))[0].float()
         return out

@@ -70,8 +70,12 @@ class TargetModel(ABC):
         tokens: torch.Tensor,  # [n] long
         tree: TreeBuffers | None,  # None: a causal chain
         needs: ArtifactNeeds,
+        last_logits_only: bool = False,
     ) -> ForwardOutput:
-        """Run rows ``tokens`` after the committed prefix; positions are length + row depth."""
+        """Run rows ``tokens`` after the committed prefix; positions are length + row depth.
+
+        ``last_logits_only``: compute logits for the last row alone (a prefill needs no more).
+        """
 
     @abstractmethod
     def commit(self, state: SequenceState, rows: Sequence[int]) -> None:
@@ -163,7 +167,12 @@ class HFTarget(TargetModel):
         return _HFState(DynamicCache(config=self.model.config))
 
     def forward(
-        self, state: SequenceState, tokens: torch.Tensor, tree: TreeBuffers | None, needs: ArtifactNeeds
+        self,
+        state: SequenceState,
+        tokens: torch.Tensor,
+        tree: TreeBuffers | None,
+        needs: ArtifactNeeds,
+        last_logits_only: bool = False,
     ) -> ForwardOutput:
         assert isinstance(state, _HFState)
         if needs.query_heads:
@@ -185,6 +194,7 @@ class HFTarget(TargetModel):
             past_key_values=state.cache,
             use_cache=True,
             output_hidden_states=bool(needs.hidden_layers),
+            logits_to_keep=1 if last_logits_only else 0,
             **kwargs,
         )
         state.pending = n
