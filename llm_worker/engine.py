@@ -23,7 +23,7 @@ from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import CostCurve, DraftPlanner, load_or_measure
 from llm_worker.sampling import make_generator, sample, warp_logits
 from llm_worker.stats import GenerationStats
-from llm_worker.types import ArtifactNeeds, CopiedSpan, DraftTree, Provenance
+from llm_worker.types import NO_SOURCE, ArtifactNeeds, CopiedSpan, DraftTree, Provenance
 from llm_worker.verify.tree import tree_buffers
 from llm_worker.verify.verifier import verify_greedy, verify_sampling
 
@@ -114,6 +114,47 @@ class _Artifacts:
         return torch.stack(rows)
 
 
+class _Output:
+    """The committed sequence of one request and what it has emitted.
+
+    ``tokens[:length]`` is prompt + generated; its last token is the root of the next draft.
+    """
+
+    def __init__(self, req: GenerationRequest, eos_ids: tuple[int, ...]) -> None:
+        self.max_new = req.max_new_tokens
+        self.eos = set(eos_ids) if req.stop_at_eos else set()
+        self.tokens = np.zeros(len(req.prompt_ids) + req.max_new_tokens + 1, dtype=np.int64)  # [capacity]
+        self.tokens[: len(req.prompt_ids)] = req.prompt_ids
+        self.length = len(req.prompt_ids)
+        self.generated: list[int] = []
+        self.provenance = Provenance()
+        self.finish = ""  # "stop" (end-of-sequence token) or "length" once finished
+
+    @property
+    def root(self) -> int:
+        return int(self.tokens[self.length - 1])
+
+    def context(self) -> np.ndarray:
+        return self.tokens[: self.length]
+
+    def emit(self, tokens: list[int], sources: list[int], drafter: str) -> list[int]:
+        """Append tokens up to an end-of-sequence token or the length limit; return those kept."""
+        kept = []
+        for token, source in zip(tokens, sources, strict=True):
+            self.provenance.add(len(self.generated), source, drafter)
+            self.generated.append(token)
+            kept.append(token)
+            self.tokens[self.length] = token
+            self.length += 1
+            if token in self.eos:
+                self.finish = "stop"
+                break
+            if len(self.generated) >= self.max_new:
+                self.finish = "length"
+                break
+        return kept
+
+
 class _ModeRuntime:
     """What the engine keeps per mode across requests: the drafter and its planners.
 
@@ -196,94 +237,78 @@ class Engine:
         with torch.inference_mode():
             yield from self._decode(req, rt)
 
-    def _pick_first(self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
-        if sampling.greedy:
-            return int(logits.argmax().item())
-        return sample(warp_logits(logits[None], sampling)[0], gen)
+    def _prefill(
+        self, state: SequenceState, artifacts: _Artifacts, prompt: torch.Tensor, needs: ArtifactNeeds
+    ) -> torch.Tensor:
+        """Run the prompt (in chunks), commit it, and return the last row's logits: [vocab]."""
+        chunk = max(1, self.config.prefill_chunk)
+        logits = None
+        for lo in range(0, len(prompt), chunk):
+            piece = prompt[lo : lo + chunk]
+            out = self.target.forward(state, piece, None, needs, last_logits_only=True)
+            rows = list(range(len(piece)))
+            self.target.commit(state, rows)
+            artifacts.record(out, rows)
+            logits = out.logits[-1]
+        assert logits is not None
+        return logits
 
     def _decode(self, req: GenerationRequest, rt: _ModeRuntime) -> Iterator[StepOutput | GenerationResult]:
         target, drafter, planner = self.target, rt.drafter, rt.planners[req.sampling.greedy]
         needs = drafter.needs
         sampling = req.sampling
-        eos = set(target.info.eos_token_ids) if req.stop_at_eos else set()
         gen = make_generator(sampling.seed)
         stats = GenerationStats()
-        provenance = Provenance()
         began = time.perf_counter()
 
         state = target.start()
         artifacts = _Artifacts(target, state, needs)
-        prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
-        chunk = max(1, self.config.prefill_chunk)
-        out = None
-        for lo in range(0, len(prompt), chunk):
-            piece = prompt[lo : lo + chunk]
-            out = target.forward(state, piece, None, needs, last_logits_only=True)
-            rows = list(range(len(piece)))
-            target.commit(state, rows)
-            artifacts.record(out, rows)
-        assert out is not None
-        first = self._pick_first(out.logits[-1], sampling, gen)
-        confidence = _top_probability(out.logits[-1])
+        logits = self._prefill(state, artifacts, torch.tensor(req.prompt_ids, dtype=torch.long), needs)
+        first = (
+            int(logits.argmax()) if sampling.greedy else sample(warp_logits(logits[None], sampling)[0], gen)
+        )
+        confidence = _top_probability(logits)
         stats.observe_prefill(time.perf_counter() - began)
+        out = _Output(req, target.info.eos_token_ids)
+        yield StepOutput(out.emit([first], [NO_SOURCE], drafter.name))
 
-        capacity = len(prompt) + req.max_new_tokens + 1
-        tokens = np.zeros(capacity, dtype=np.int64)  # committed sequence; tokens[length-1] is the root
-        tokens[: len(prompt)] = prompt.numpy()
-        tokens[len(prompt)] = first
-        length = len(prompt) + 1
-        generated = [first]
-        yield StepOutput([first])
-        finish = "stop" if first in eos else "length" if req.max_new_tokens <= 1 else ""
-
-        while not finish:
-            remaining = req.max_new_tokens - len(generated)
+        while not out.finish:
+            # propose
             t0 = time.perf_counter()
             tree = DraftTree.empty()
-            if planner is not None:
-                budget = planner.budget(remaining)
-                if budget > 0:
-                    ctx = DraftContext(
-                        tokens[:length],
-                        budget,
-                        hidden=artifacts.hidden if needs.hidden_layers else None,
-                        attention=artifacts.attention if needs.query_heads else None,
-                    )
-                    with rt.lock:
-                        tree = drafter.propose(ctx)
-                        if len(tree):
-                            tree = planner.plan(tree, length, confidence).tree
+            budget = planner.budget(req.max_new_tokens - len(out.generated)) if planner is not None else 0
+            if planner is not None and budget > 0:
+                ctx = DraftContext(
+                    out.context(),
+                    budget,
+                    hidden=artifacts.hidden if needs.hidden_layers else None,
+                    attention=artifacts.attention if needs.query_heads else None,
+                )
+                with rt.lock:
+                    tree = drafter.propose(ctx)
+                    if len(tree):
+                        tree = planner.plan(tree, out.length, confidence).tree
+            # one target forward over the root and the draft
             t1 = time.perf_counter()
-
-            inputs = torch.tensor((int(tokens[length - 1]), *tree.tokens), dtype=torch.long)
-            buffers = tree_buffers(tree.parents) if len(tree) > 0 else None
-            out = target.forward(state, inputs, buffers, needs)
+            inputs = torch.tensor((out.root, *tree.tokens), dtype=torch.long)
+            fwd = target.forward(state, inputs, tree_buffers(tree.parents) if len(tree) else None, needs)
+            # verify
             if sampling.greedy:
-                result = verify_greedy(out.logits.argmax(dim=-1).tolist(), tree)
+                result = verify_greedy(fwd.logits.argmax(dim=-1).tolist(), tree)
             else:
-                result = verify_sampling(warp_logits(out.logits, sampling), tree, gen)
+                result = verify_sampling(warp_logits(fwd.logits, sampling), tree, gen)
+            # commit
             rows = [0] + [node + 1 for node in result.accepted]
             target.commit(state, rows)
-            step_confidence, confidence = confidence, _top_probability(out.logits[rows[-1]])
-            artifacts.record(out, rows)
+            artifacts.record(fwd, rows)
+            step_confidence, confidence = confidence, _top_probability(fwd.logits[rows[-1]])
             t2 = time.perf_counter()
 
-            new = [tree.tokens[node] for node in result.accepted] + [result.bonus]
-            sources = [tree.source(node) for node in result.accepted] + [-1]
-            emitted = []
-            for token, source in zip(new, sources, strict=True):
-                if source >= 0:
-                    provenance.add(len(generated), source, drafter.name)
-                generated.append(token)
-                emitted.append(token)
-                tokens[length] = token
-                length += 1
-                if token in eos:
-                    finish = "stop"
-                    break
-                if len(generated) >= req.max_new_tokens:
-                    finish = "length"
-                    break
+            emitted = out.emit(
+                [tree.tokens[node] for node in result.accepted] + [result.bonus],
+                [tree.source(node) for node in result.accepted] + [NO_SOURCE],
+                drafter.name,
+            )
             stats.observe_step(len(tree), result.num_accepted, len(emitted), t1 - t0, t2 - t1)
             if len(tree) and planner is not None:
                 with rt.lock:
@@ -292,4 +317,4 @@ class Engine:
             yield StepOutput(emitted)
 
         stats.seconds = time.perf_counter() - began
-        yield GenerationResult(generated, req.mode, finish, stats, provenance.spans)
+        yield GenerationResult(out.generated, req.mode, out.finish, stats, out.provenance.spans)

@@ -99,6 +99,12 @@ def test_bad_input_is_a_clear_error(
     assert message in err and err.startswith("specdraft: error:")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device_is_a_clear_error(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "generate", "--model", str(tiny_dir), "--device", "cuda", "hello")
+    assert code == 2 and "CUDA is not available" in err
+
+
 def test_missing_model_dir_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "generate", "--model", str(tmp_path), "hello")
     assert code == 2 and "not a Hugging Face model directory" in err

@@ -30,10 +30,26 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
     return HFTarget(model, info)
 
 
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have, with a clear message."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r}: only cpu and cuda are supported")
+
+
 def load_target(cfg: ModelConfig) -> tuple[TargetModel, Any]:
     """Load the model directory of ``cfg`` (or the default model) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     path = resolve_model_dir(cfg.path)
