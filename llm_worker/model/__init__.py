@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from llm_worker.config import ModelConfig
 from llm_worker.model.fast_llama import FastLlamaTarget, unsupported_reason
-from llm_worker.model.loading import resolve_model_dir, torch_dtype
+from llm_worker.model.loading import MARKER, resolve_model_dir, torch_dtype
 from llm_worker.model.target import HFTarget, TargetModel, describe
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,17 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
     if backend == "fast":
         return FastLlamaTarget(model, info, cfg.packed_gemm_rows)
     return HFTarget(model, info)
+
+
+def model_name(path: Path) -> str:
+    """A readable model name: the source model id for our converted copies, else the directory."""
+    marker = path / MARKER
+    if marker.is_file():
+        try:
+            return str(json.loads(marker.read_text())["model_id"]) + " (converted from GGUF Q4_1)"
+        except (ValueError, KeyError):
+            pass
+    return path.name
 
 
 def check_device(device: str) -> None:
@@ -56,5 +69,6 @@ def load_target(cfg: ModelConfig) -> tuple[TargetModel, Any]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.dtype))
     model = model.to(torch.device(cfg.device))  # type: ignore[arg-type]  # transformers types .to oddly
+    model.config._name_or_path = model_name(path)
     model.requires_grad_(False)
     return wrap_model(model, tokenizer, cfg), tokenizer
