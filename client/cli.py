@@ -25,6 +25,21 @@ class CliError(Exception):
     """A user error with a message worth printing as is."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors follow the contract: one line, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"specdraft: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,7 +57,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument(
+        "--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     g.add_argument(
         "--backend",
         default="auto",
@@ -75,6 +92,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise CliError("the prompt is empty")
+    if args.server:
+        return _generate_remote(args, prompt)
     engine, _target, tokenizer = _load(args)
     from llm_worker.chat import chat_prompt_ids, prompt_ids
     from llm_worker.config import SamplingParams
@@ -123,6 +142,81 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(text + "\n")
+    return 0
+
+
+def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
+    """``generate --server``: the same request and the same output, through a worker."""
+    import grpc
+
+    from client.grpc_client import GenerationClient, RequestOptions, build_request, response_to_json
+
+    options = RequestOptions(
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    request = (
+        build_request(chat=[("user", prompt)], options=options)
+        if args.chat
+        else build_request(text=prompt, options=options)
+    )
+    addresses = [a.strip() for a in args.server.split(",") if a.strip()]
+    stream_to = sys.stderr if args.json else sys.stdout
+    with GenerationClient(addresses, timeout=args.timeout) as client:
+        try:
+            if args.stream:
+                final = None
+                for chunk in client.generate_stream(request):
+                    if chunk.HasField("final"):
+                        final = chunk.final
+                    elif chunk.text:
+                        stream_to.write(chunk.text)
+                        stream_to.flush()
+                stream_to.write("\n")
+                assert final is not None, "the stream ended without a final message"
+                response = final
+            else:
+                response = client.generate(request)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            message = f"{code.name}: {exc.details()}"
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise CliError(message) from None
+            sys.stderr.write(f"specdraft: error: {message}\n")
+            return 1
+    if args.json:
+        sys.stdout.write(json.dumps(response_to_json(response)) + "\n")
+    elif not args.stream:
+        sys.stdout.write(response.text + "\n")
+    return 0
+
+
+# -- serve ---------------------------------------------------------------------------------
+
+
+def _cmd_serve_worker(args: argparse.Namespace) -> int:
+    engine, _, tokenizer = _load(args)
+    from llm_worker.server import ServerConfig, serve_forever
+    from llm_worker.worker import Worker
+
+    worker = Worker(
+        engine, tokenizer, worker_id=args.worker_id, default_max_new_tokens=args.default_max_new_tokens
+    )
+    if args.warm:
+        engine.cost_curve  # measure (or load) the verify cost curve before taking traffic  # noqa: B018
+    cfg = ServerConfig(
+        host=args.host, port=args.port, max_concurrent=args.max_concurrent, grace_seconds=args.grace_seconds
+    )
+
+    def ready(port: int) -> None:
+        sys.stderr.write(f"specdraft worker {worker.worker_id} listening on {args.host}:{port}\n")
+        sys.stderr.flush()
+
+    serve_forever(worker, cfg, ready)
     return 0
 
 
@@ -227,7 +321,7 @@ def _cmd_modes(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdraft", description="Lossless speculative decoding.")
+    parser = _Parser(prog="specdraft", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -247,7 +341,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream", action="store_true", help="print text as it is generated (to stderr with --json)"
     )
     g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    g.add_argument("--server", help="HOST:PORT[,HOST:PORT...] of workers; default: decode in this process")
+    g.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds with --server")
     g.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="run a service")
+    serve_sub = serve.add_subparsers(dest="service", required=True)
+    w = serve_sub.add_parser("worker", help="an LLM worker (gRPC Generation service)")
+    _add_model_args(w)
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=50051, help="0 = any free port")
+    w.add_argument(
+        "--max-concurrent", type=int, default=4, help="generations at once; more get RESOURCE_EXHAUSTED"
+    )
+    w.add_argument("--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM")
+    w.add_argument("--default-max-new-tokens", type=int, default=256)
+    w.add_argument("--worker-id", default=None)
+    w.add_argument(
+        "--no-warm", dest="warm", action="store_false", help="skip measuring the cost curve at start"
+    )
+    w.set_defaults(func=_cmd_serve_worker)
 
     b = sub.add_parser("bench", help="benchmark modes side by side")
     _add_model_args(b)
@@ -288,6 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if args.verbose:
+            raise
+        sys.stderr.write(
+            f"specdraft: error: internal error: {type(exc).__name__}: {exc} (run with -v for details)\n"
+        )
+        return 1
 
 
 if __name__ == "__main__":

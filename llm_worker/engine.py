@@ -44,6 +44,7 @@ class GenerationRequest:
     mode: str = "ar"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_at_eos: bool = True
+    draft_budget: int | None = None  # most draft tokens verified per step; None = the planner's choice
 
 
 @dataclass
@@ -207,6 +208,8 @@ class Engine:
         bad = [t for t in req.prompt_ids if not 0 <= t < info.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
+        if req.draft_budget is not None and req.draft_budget < 0:
+            raise InvalidRequestError(f"draft_budget must be >= 0, got {req.draft_budget}")
         if req.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
         total = len(req.prompt_ids) + req.max_new_tokens
@@ -231,11 +234,23 @@ class Engine:
         return result
 
     def stream(self, req: GenerationRequest) -> Iterator[StepOutput | GenerationResult]:
-        """Yields a StepOutput per step, then the GenerationResult."""
+        """Yields a StepOutput per step, then the GenerationResult.
+
+        Each step runs under ``torch.inference_mode`` in the thread that asks for it (a server
+        may resume the stream from different pool threads; inference mode is thread-local).
+        """
         self.validate(req)
         rt = self.runtime(req.mode)
-        with torch.inference_mode():
-            yield from self._decode(req, rt)
+        steps = self._decode(req, rt)
+        try:
+            while True:
+                with torch.inference_mode():
+                    item = next(steps, None)
+                if item is None:
+                    return
+                yield item
+        finally:
+            steps.close()
 
     def _prefill(
         self, state: SequenceState, artifacts: _Artifacts, prompt: torch.Tensor, needs: ArtifactNeeds
@@ -277,6 +292,8 @@ class Engine:
             t0 = time.perf_counter()
             tree = DraftTree.empty()
             budget = planner.budget(req.max_new_tokens - len(out.generated)) if planner is not None else 0
+            if req.draft_budget is not None:
+                budget = min(budget, req.draft_budget)
             if planner is not None and budget > 0:
                 ctx = DraftContext(
                     out.context(),
@@ -287,7 +304,7 @@ class Engine:
                 with rt.lock:
                     tree = drafter.propose(ctx)
                     if len(tree):
-                        tree = planner.plan(tree, out.length, confidence).tree
+                        tree = planner.plan(tree, out.length, confidence, max_nodes=budget).tree
             # one target forward over the root and the draft
             t1 = time.perf_counter()
             inputs = torch.tensor((out.root, *tree.tokens), dtype=torch.long)

@@ -52,7 +52,7 @@ class CostCurve:
 
     def _at_context(self, row: tuple[float, ...], n: int) -> float:
         sizes = self.sizes
-        if n <= sizes[0]:
+        if n <= sizes[0] or len(sizes) == 1:
             return row[0]
         i = bisect.bisect_left(sizes, n)
         if i >= len(sizes):  # beyond the largest measured size: extend the last slope
@@ -101,9 +101,10 @@ def measure_cost_curve(target: TargetModel, cfg: CostConfig, max_size: int) -> C
     Sizes are visited in a shuffled order on every repeat so that machine noise spreads over
     all of them instead of biasing one.
     """
+    max_size = max(1, min(max_size, target.info.max_context // 2))
     sizes = tuple(sorted({s for s in cfg.sizes if s <= max_size} | {1, max_size}))
-    limit = target.info.max_context - max(sizes) - 1
-    contexts = tuple(sorted({min(c, limit) for c in cfg.contexts}))
+    limit = max(1, target.info.max_context - max(sizes) - 1)
+    contexts = tuple(sorted({max(1, min(c, limit)) for c in cfg.contexts}))
     vocab = target.info.vocab_size
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
@@ -226,10 +227,14 @@ class DraftPlanner:
         """Most draft tokens worth asking for: never more than can still be emitted."""
         return max(0, min(self.cfg.max_draft_tokens, self.curve.sizes[-1] - 1, remaining_tokens - 1))
 
-    def plan(self, tree: DraftTree, context: int, confidence: float = 1.0) -> Plan:
+    def plan(
+        self, tree: DraftTree, context: int, confidence: float = 1.0, max_nodes: int | None = None
+    ) -> Plan:
         """The nodes of ``tree`` worth verifying after ``context`` cached tokens.
 
         ``confidence``: the target's top-1 probability at the step that produced the root.
+        ``max_nodes``: never keep more nodes than this (the request's draft budget), whatever
+        the drafter proposed.
         """
         base = self.curve.t(1, context)
         if not len(tree):
@@ -242,7 +247,8 @@ class DraftPlanner:
         order = sorted(range(len(tree)), key=lambda v: (-reach[v], v))
         best_k, best_rate = 0, 1.0 / base * self.cfg.min_gain
         expected = 1.0
-        for k, node in enumerate(order[: self.cfg.max_draft_tokens], start=1):
+        limit = self.cfg.max_draft_tokens if max_nodes is None else min(max_nodes, self.cfg.max_draft_tokens)
+        for k, node in enumerate(order[:limit], start=1):
             expected += reach[node]
             rate = expected / self.curve.t(1 + k, context)
             if rate > best_rate:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,6 +130,23 @@ def assert_greedy_identical(
 
 def greedy_tokens(engine: Engine, prompt: Sequence[int], mode: str, max_new: int) -> list[int]:
     return engine.generate(GenerationRequest(tuple(prompt), max_new, mode)).token_ids
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama saved with the real tokenizer (chat templates and decoding work)."""
+    from transformers import AutoTokenizer
+
+    from llm_worker.model.loading import default_model_dir
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    model = tiny_model("llama", vocab=len(tokenizer))
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

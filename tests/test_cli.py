@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
 
 from client.cli import main
-from llm_worker.model.loading import default_model_dir
 
 STATS_KEYS = {
     "new_tokens",
@@ -24,21 +22,6 @@ STATS_KEYS = {
     "seconds",
     "tokens_per_second",
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with the real tokenizer (so chat templates and decoding work)."""
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    model = tiny_model("llama", vocab=len(tokenizer))
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -165,3 +148,21 @@ def test_generate_on_the_default_model_in_a_subprocess() -> None:
     assert payload["mode"] == "pld+h"
     assert payload["stats"]["new_tokens"] == len(payload["token_ids"]) > 0
     assert torch.tensor(payload["token_ids"]).max() < 49152
+
+
+def test_usage_errors_follow_the_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--threads", "-1", "hi"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdraft: error:") and err.count("\n") == 1
+
+
+def test_pld_a_refuses_a_head_file_of_another_model(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llm_worker.drafters.heads import HeadScore, HeadsFile, save_heads
+
+    heads = save_heads(HeadsFile("other", "x", (HeadScore(20, 5, 1.0),), 1, 1), tmp_path / "h.json")
+    code, _, err = run(capsys, "generate", "--model", str(tiny_dir), "--mode", f"pld+a:file={heads}", "hi")
+    assert code == 2 and "calibrated for another model" in err

@@ -175,6 +175,17 @@ def _make_pld_a(target: TargetModel, options: dict[str, str]) -> Drafter:
             "run: specdraft calibrate-heads --model DIR"
         )
     heads = load_heads(path)
-    count = int_option(options, "heads", DEFAULT_HEADS, 1, target.info.num_layers * target.info.num_heads)
+    info = target.info
+    outside = [
+        (h.layer, h.head)
+        for h in heads.heads
+        if not (0 <= h.layer < info.num_layers and 0 <= h.head < info.num_heads)
+    ]
+    if outside:
+        raise ModeUnavailableError(
+            f"{path}: head {outside[0]} does not exist in this model "
+            f"({info.num_layers} layers × {info.num_heads} heads); the file was calibrated for another model"
+        )
+    count = int_option(options, "heads", DEFAULT_HEADS, 1, info.num_layers * info.num_heads)
     branches = int_option(options, "branches", 1, 1, 16)
     return AttentionDrafter(heads.top(count), float_option(options, "theta", None), branches)

@@ -178,8 +178,8 @@ class FastLlamaTarget(TargetModel):
         capacity = state.keys.shape[3]
         if needed <= capacity:
             return
-        new_capacity = min(max(needed, capacity * 2), self.info.max_context + _GROW)
-        new_capacity = ((max(new_capacity, needed) + _GROW - 1) // _GROW) * _GROW
+        wanted = max(needed, min(capacity * 2, self.info.max_context + _GROW))
+        new_capacity = -(-wanted // _GROW) * _GROW
         keys, values = self._buffers(new_capacity)
         keys[:, :, :, : state.length] = state.keys[:, :, :, : state.length]
         values[:, :, :, : state.length] = state.values[:, :, :, : state.length]
@@ -225,13 +225,16 @@ class FastLlamaTarget(TargetModel):
         info = self.info
         n = int(tokens.shape[0])
         start = state.length
-        end = start + n
-        if end > info.max_context:
-            raise ValueError(f"context of {end} tokens exceeds the model's limit of {info.max_context}")
+        end = start + n  # KV rows written; positions only reach start + the deepest row
+        offsets = tree.position_offsets if tree is not None else torch.arange(n)
+        last_position = start + int(offsets[-1] if tree is None else offsets.max())
+        if last_position >= info.max_context:
+            raise ValueError(
+                f"context of {last_position + 1} tokens exceeds the model's limit of {info.max_context}"
+            )
         self._reserve(state, end)
         heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
 
-        offsets = tree.position_offsets if tree is not None else torch.arange(n)
         positions = (offsets + start).to(self.device)[None]  # [1, n]
         h = self.embed(tokens.to(self.device)[None])  # [1, n, hidden]
         cos, sin = self.rotary(h, positions)  # [1, n, head_dim]
@@ -276,9 +279,14 @@ class FastLlamaTarget(TargetModel):
             h = h + layer.o(attn.transpose(1, 2).reshape(1, n, q_size))
             gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-            if index + 1 in needs.hidden_layers:
+            if index + 1 in needs.hidden_layers and index + 1 < len(self.layers):
                 out.hidden[index + 1] = h[0]
+        h = self._rms(h, self.norm)
+        if (
+            len(self.layers) in needs.hidden_layers
+        ):  # the last layer's state after the final norm, as in transformers
+            out.hidden[len(self.layers)] = h[0]
         if last_logits_only:
             h = h[:, -1:]
-        out.logits = self.lm_head(self._rms(h, self.norm))[0].float()
+        out.logits = self.lm_head(h)[0].float()
         return out

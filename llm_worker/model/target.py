@@ -160,11 +160,16 @@ class HFTarget(TargetModel):
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
+        cfg = model.config
+        window = getattr(cfg, "sliding_window", None)
+        self.sliding_window = int(window) if window and getattr(cfg, "use_sliding_window", True) else None
 
     def start(self) -> SequenceState:
         from transformers import DynamicCache
 
-        return _HFState(DynamicCache(config=self.model.config))
+        # Full-length layers even for sliding-window models: commits crop and gather freely,
+        # and the masks below apply the window.
+        return _HFState(DynamicCache())
 
     def forward(
         self,
@@ -185,8 +190,15 @@ class HFTarget(TargetModel):
         positions = (offsets + start).to(self.device)[None]
         kwargs: dict[str, Any] = {}
         if tree is not None and not tree.is_chain:
-            mask = torch.ones(n, start + n, dtype=torch.bool)
-            mask[:, start:] = tree.mask
+            allowed = torch.ones(n, start + n, dtype=torch.bool)
+            allowed[:, start:] = tree.mask
+            window = self.sliding_window
+            if window:
+                key_pos = torch.cat([torch.arange(start), offsets + start])
+                allowed &= (offsets + start)[:, None] - key_pos[None, :] < window
+            # Additive float mask: eager attention adds it, sdpa accepts it as is.
+            dtype = self.model.get_input_embeddings().weight.dtype
+            mask = torch.zeros(n, start + n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
             kwargs["attention_mask"] = mask[None, None].to(self.device)
         out = self.model(
             input_ids=tokens.to(self.device)[None],

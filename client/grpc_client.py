@@ -1,0 +1,224 @@
+"""Typed gRPC clients for LLM workers: sync and async, with deadlines, retries and fail-over.
+
+- Every call has a deadline (``timeout``, default 300 s for generation, 10 s otherwise).
+- gRPC's own retry policy retries UNAVAILABLE with exponential backoff on one worker; when a
+  worker stays unavailable, the client fails over to the next address it knows.
+- A stream is only retried or failed over before its first chunk arrived (afterwards the
+  output would be duplicated).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from client.stubs import common_pb2, generation_pb2, generation_pb2_grpc
+
+RETRY_POLICY = {
+    "methodConfig": [
+        {
+            "name": [{"service": "specdraft.v1.Generation"}],
+            "retryPolicy": {
+                "maxAttempts": 4,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ]
+}
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE,)
+CHANNEL_OPTIONS = [
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(RETRY_POLICY)),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+]
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a caller may set per request (see proto/specdraft/v1/generation.proto)."""
+
+    mode: str = "ar"
+    max_new_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    draft_budget: int = 0
+    speculation_off: bool = False
+    ignore_eos: bool = False
+
+
+def build_request(
+    *,
+    text: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    chat: Sequence[tuple[str, str]] | None = None,
+    options: RequestOptions = RequestOptions(),
+) -> generation_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(
+        temperature=options.temperature, top_p=options.top_p, top_k=options.top_k
+    )
+    if options.seed is not None:
+        sampling.seed = options.seed
+    req = generation_pb2.GenerateRequest(
+        mode=options.mode,
+        max_new_tokens=options.max_new_tokens,
+        sampling=sampling,
+        draft_budget=options.draft_budget,
+        speculation_off=options.speculation_off,
+        ignore_eos=options.ignore_eos,
+    )
+    if text is not None:
+        req.text = text
+    elif token_ids is not None:
+        req.token_ids.ids.extend(int(t) for t in token_ids)
+    elif chat is not None:
+        req.chat.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in chat)
+    return req
+
+
+class GenerationClient:
+    """Blocking client over one or more worker addresses (``host:port``), tried in order."""
+
+    def __init__(self, addresses: Sequence[str], timeout: float = 300.0) -> None:
+        if not addresses:
+            raise ValueError("no worker address given")
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self._channels = {a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses}
+        self._stubs = {a: generation_pb2_grpc.GenerationStub(c) for a, c in self._channels.items()}
+
+    def _call(self, method: str, request: Any, timeout: float) -> Any:
+        last: grpc.RpcError | None = None
+        for address in self.addresses:
+            try:
+                return getattr(self._stubs[address], method)(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() not in FAILOVER_CODES:
+                    raise
+                last = exc
+        assert last is not None
+        raise last
+
+    def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
+        return self._call("Generate", request, self.timeout)
+
+    def generate_stream(
+        self, request: generation_pb2.GenerateRequest
+    ) -> Iterator[generation_pb2.GenerateChunk]:
+        last: grpc.RpcError | None = None
+        for address in self.addresses:
+            started = False
+            try:
+                for chunk in self._stubs[address].GenerateStream(request, timeout=self.timeout):
+                    started = True
+                    yield chunk
+                return
+            except grpc.RpcError as exc:
+                if started or exc.code() not in FAILOVER_CODES:
+                    raise
+                last = exc
+        assert last is not None
+        raise last
+
+    def list_modes(self) -> generation_pb2.ListModesResponse:
+        return self._call("ListModes", generation_pb2.ListModesRequest(), 10.0)
+
+    def model_info(self) -> generation_pb2.ModelInfo:
+        return self._call("GetModelInfo", generation_pb2.ModelInfoRequest(), 10.0)
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncGenerationClient:
+    """The same over ``grpc.aio``."""
+
+    def __init__(self, addresses: Sequence[str], timeout: float = 300.0) -> None:
+        if not addresses:
+            raise ValueError("no worker address given")
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self._channels = {a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses}
+        self._stubs = {a: generation_pb2_grpc.GenerationStub(c) for a, c in self._channels.items()}
+
+    async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
+        last: grpc.RpcError | None = None
+        for address in self.addresses:
+            try:
+                return await self._stubs[address].Generate(request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in FAILOVER_CODES:
+                    raise
+                last = exc
+        assert last is not None
+        raise last
+
+    async def generate_stream(
+        self, request: generation_pb2.GenerateRequest
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        last: grpc.RpcError | None = None
+        for address in self.addresses:
+            started = False
+            try:
+                async for chunk in self._stubs[address].GenerateStream(request, timeout=self.timeout):
+                    started = True
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as exc:
+                if started or exc.code() not in FAILOVER_CODES:
+                    raise
+                last = exc
+        assert last is not None
+        raise last
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def response_to_json(resp: generation_pb2.GenerateResponse) -> dict[str, Any]:
+    """The CLI's JSON object (the same keys as the in-process path)."""
+    s = resp.stats
+    return {
+        "text": resp.text,
+        "token_ids": list(resp.token_ids),
+        "mode": resp.mode,
+        "finish_reason": resp.finish_reason,
+        "prompt_tokens": resp.prompt_tokens,
+        "stats": {
+            "new_tokens": s.new_tokens,
+            "target_forwards": s.target_forwards,
+            "tau": round(s.tau, 4),
+            "acceptance_rate": round(s.acceptance_rate, 4),
+            "drafted_tokens": s.drafted_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "draft_seconds": round(s.draft_seconds, 4),
+            "verify_seconds": round(s.verify_seconds, 4),
+            "seconds": round(s.seconds, 4),
+            "tokens_per_second": round(s.tokens_per_second, 3),
+        },
+        "provenance": [
+            {
+                "output_start": p.output_start,
+                "source_start": p.source_start,
+                "length": p.length,
+                "drafter": p.drafter,
+            }
+            for p in resp.provenance
+        ],
+    }

@@ -1,0 +1,292 @@
+"""The worker's gRPC server: a thin ``grpc.aio`` servicer over ``Worker``.
+
+- The engine is synchronous and CPU-bound: each decode step runs in a thread pool, so the event
+  loop keeps answering health checks, new calls and cancellations. Between steps the servicer
+  stops promptly when the client cancels or the deadline passes.
+- Admission: at most ``max_concurrent`` generations at once (own counter, not
+  ``maximum_concurrent_rpcs``); beyond it, RESOURCE_EXHAUSTED at once instead of a queue.
+- Bad input → INVALID_ARGUMENT with a precise message; oversized messages → RESOURCE_EXHAUSTED
+  (gRPC's own receive limit). The server keeps serving.
+- Standard health service (``grpc.health.v1``) and server reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from client.stubs import common_pb2, generation_pb2, generation_pb2_grpc
+from llm_worker import __version__
+from llm_worker.config import SamplingParams
+from llm_worker.engine import GenerationResult, StepOutput
+from llm_worker.worker import BadRequest, Worker, WorkRequest
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = pick a free port
+    max_concurrent: int = 4
+    """Generations running at once; more are refused with RESOURCE_EXHAUSTED."""
+    max_message_bytes: int = 4 * 1024 * 1024
+    grace_seconds: float = 30.0
+    """On shutdown, requests in flight get this long to finish."""
+
+
+# -- protobuf ⇄ domain ---------------------------------------------------------------------
+
+
+def to_work_request(msg: generation_pb2.GenerateRequest) -> WorkRequest:
+    kind = msg.WhichOneof("prompt")
+    s = msg.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p if s.top_p > 0 else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+    return WorkRequest(
+        text=msg.text if kind == "text" else None,
+        token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None,
+        chat=tuple((m.role, m.content) for m in msg.chat.messages) if kind == "chat" else None,
+        mode=msg.mode or "ar",
+        max_new_tokens=msg.max_new_tokens,
+        sampling=sampling,
+        draft_budget=msg.draft_budget,
+        speculation_off=msg.speculation_off,
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def to_response(
+    result: GenerationResult, text: str, prompt_tokens: int, worker_id: str
+) -> generation_pb2.GenerateResponse:
+    st = result.stats
+    stats = common_pb2.GenerationStats(
+        new_tokens=st.new_tokens,
+        target_forwards=st.target_forwards,
+        tau=st.tau,
+        acceptance_rate=st.acceptance_rate,
+        drafted_tokens=st.drafted_tokens,
+        accepted_tokens=st.accepted_tokens,
+        draft_seconds=st.draft_seconds,
+        verify_seconds=st.verify_seconds,
+        seconds=st.seconds,
+        tokens_per_second=st.tokens_per_second,
+    )
+    spans = [
+        common_pb2.CopiedSpan(
+            output_start=s.output_start, source_start=s.source_start, length=s.length, drafter=s.drafter
+        )
+        for s in result.provenance
+    ]
+    return generation_pb2.GenerateResponse(
+        text=text,
+        token_ids=result.token_ids,
+        mode=result.mode,
+        finish_reason=result.finish_reason,
+        prompt_tokens=prompt_tokens,
+        stats=stats,
+        provenance=spans,
+        worker_id=worker_id,
+    )
+
+
+# -- the servicer --------------------------------------------------------------------------
+
+_DONE = object()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, worker: Worker, cfg: ServerConfig) -> None:
+        self.worker = worker
+        self.cfg = cfg
+        self.active = 0
+        self.draining = False
+        self.executor = ThreadPoolExecutor(max_workers=cfg.max_concurrent, thread_name_prefix="decode")
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        if self.active >= self.cfg.max_concurrent:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the worker is at its limit of {self.cfg.max_concurrent} concurrent generations; "
+                "retry later",
+            )
+
+    async def _steps(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tuple[StepOutput | GenerationResult, int]]:
+        """Admit, validate, then run the engine one step per thread-pool call."""
+        await self._admit(context)
+        self.active += 1
+        loop = asyncio.get_running_loop()
+        steps: Iterator[StepOutput | GenerationResult] | None = None
+        try:
+            try:
+                gen = self.worker.to_engine(to_work_request(request))
+            except BadRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            steps = self.worker.stream(gen)
+            while True:
+                item = await loop.run_in_executor(self.executor, next, steps, _DONE)
+                if item is _DONE:
+                    return
+                assert isinstance(item, StepOutput | GenerationResult)
+                yield item, len(gen.prompt_ids)
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        finally:
+            self.active -= 1
+            if steps is not None:
+                # Closing the generator frees its KV cache; run it off the event loop.
+                close = getattr(steps, "close", None)
+                if close is not None:
+                    with contextlib.suppress(Exception):
+                        await loop.run_in_executor(self.executor, close)
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GenerateResponse:
+        async for item, prompt_tokens in self._steps(request, context):
+            if isinstance(item, GenerationResult):
+                text = self.worker.decode(item.token_ids)
+                return to_response(item, text, prompt_tokens, self.worker.worker_id)
+        await context.abort(grpc.StatusCode.INTERNAL, "generation ended without a result")
+        raise AssertionError("unreachable")
+
+    async def GenerateStream(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        emitted: list[int] = []
+        printed = ""
+        async for item, prompt_tokens in self._steps(request, context):
+            if isinstance(item, StepOutput):
+                emitted.extend(item.token_ids)
+                text = self.worker.decode(emitted)
+                delta, printed = text[len(printed) :], text
+                yield generation_pb2.GenerateChunk(token_ids=item.token_ids, text=delta)
+            else:
+                final = to_response(
+                    item, self.worker.decode(item.token_ids), prompt_tokens, self.worker.worker_id
+                )
+                yield generation_pb2.GenerateChunk(final=final)
+
+    async def ListModes(
+        self, request: generation_pb2.ListModesRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ListModesResponse:
+        modes = [
+            generation_pb2.ModeInfo(
+                name=m.name,
+                summary=m.summary,
+                options=m.options,
+                available=m.available,
+                unavailable_reason=m.unavailable_reason,
+            )
+            for m in self.worker.modes()
+        ]
+        return generation_pb2.ListModesResponse(modes=modes)
+
+    async def GetModelInfo(
+        self, request: generation_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ModelInfo:
+        i = self.worker.engine.target.info
+        return generation_pb2.ModelInfo(
+            name=i.name,
+            fingerprint=i.fingerprint,
+            vocab_size=i.vocab_size,
+            max_context=i.max_context,
+            dtype=i.dtype,
+            device=i.device,
+            backend=i.backend,
+            eos_token_ids=list(i.eos_token_ids),
+            worker_id=self.worker.worker_id,
+            version=__version__,
+        )
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+class WorkerServer:
+    """A running worker: gRPC server, health, reflection. ``start`` / ``stop`` on one event loop."""
+
+    def __init__(self, worker: Worker, cfg: ServerConfig) -> None:
+        self.worker = worker
+        self.cfg = cfg
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(options=options)
+        self.servicer = GenerationServicer(worker, cfg)
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self.port = 0
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
+        await self.server.start()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await self.health.set("", serving)
+        await self.health.set(SERVICE_NAME, serving)
+        log.info("worker %s serving on %s:%d", self.worker.worker_id, self.cfg.host, self.port)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: health NOT_SERVING, refuse new calls, let calls in flight finish within grace."""
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.cfg.grace_seconds if grace is None else grace)
+        self.servicer.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def serve_forever(worker: Worker, cfg: ServerConfig, ready: Any = None) -> None:
+    """Run until SIGTERM / SIGINT, then drain gracefully."""
+    import signal
+
+    async def main() -> None:
+        server = WorkerServer(worker, cfg)
+        port = await server.start()
+        if ready is not None:
+            ready(port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("draining (grace %.0f s)", cfg.grace_seconds)
+        await server.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,130 @@
+"""The worker's domain layer: requests in domain terms, run on the engine, results out.
+
+The gRPC servicer (``llm_worker.server``) only converts protobuf ⇄ these types; everything
+here is testable without gRPC.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm_worker.chat import chat_prompt_ids, prompt_ids
+from llm_worker.config import SamplingParams
+from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
+from llm_worker.engine import Engine, GenerationRequest, GenerationResult, InvalidRequestError, StepOutput
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class BadRequest(ValueError):
+    """Input the worker refuses: maps to INVALID_ARGUMENT."""
+
+
+@dataclass(frozen=True)
+class WorkRequest:
+    """A generation request before tokenization. Exactly one of text / token_ids / chat."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    chat: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    mode: str = "ar"
+    max_new_tokens: int = 0  # 0 = the worker's default
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    draft_budget: int = 0  # 0 = the engine's choice
+    speculation_off: bool = False
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class ModeDescription:
+    name: str
+    summary: str
+    options: tuple[str, ...]
+    available: bool
+    unavailable_reason: str
+
+
+class Worker:
+    """One model, one engine, and the rules for turning requests into engine calls."""
+
+    def __init__(
+        self, engine: Engine, tokenizer: Any, worker_id: str | None = None, default_max_new_tokens: int = 256
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.worker_id = worker_id or uuid.uuid4().hex[:12]
+        self.default_max_new_tokens = default_max_new_tokens
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def encode(self, req: WorkRequest) -> list[int]:
+        given = [x is not None for x in (req.text, req.token_ids, req.chat)]
+        if sum(given) != 1:
+            raise BadRequest("give exactly one prompt: text, token_ids or chat")
+        if req.token_ids is not None:
+            return list(req.token_ids)
+        if self.tokenizer is None:
+            raise BadRequest("this worker has no tokenizer: send token_ids")
+        if req.text is not None:
+            if not req.text:
+                raise BadRequest("the prompt is empty")
+            return prompt_ids(self.tokenizer, req.text)
+        assert req.chat is not None
+        if not req.chat:
+            raise BadRequest("the chat has no messages")
+        for role, _ in req.chat:
+            if role not in CHAT_ROLES:
+                raise BadRequest(f"chat role {role!r} is not one of {CHAT_ROLES}")
+        try:
+            return chat_prompt_ids(self.tokenizer, [{"role": r, "content": c} for r, c in req.chat])
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def to_engine(self, req: WorkRequest) -> GenerationRequest:
+        """Validate and convert; raises BadRequest with a precise message."""
+        ids = self.encode(req)
+        mode = "ar" if req.speculation_off or not req.mode else req.mode
+        if req.draft_budget < 0 or req.max_new_tokens < 0:
+            raise BadRequest("draft_budget and max_new_tokens must be >= 0")
+        gen = GenerationRequest(
+            prompt_ids=tuple(ids),
+            max_new_tokens=req.max_new_tokens or self.default_max_new_tokens,
+            mode=mode,
+            sampling=req.sampling,
+            stop_at_eos=not req.ignore_eos,
+            draft_budget=req.draft_budget or None,
+        )
+        try:
+            self.engine.validate(gen)
+            self.engine.runtime(mode)
+        except (InvalidRequestError, UnknownModeError, ModeUnavailableError) as exc:
+            raise BadRequest(str(exc)) from None
+        return gen
+
+    def stream(self, gen: GenerationRequest) -> Iterator[StepOutput | GenerationResult]:
+        return self.engine.stream(gen)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    # -- descriptions -----------------------------------------------------------------------
+
+    def modes(self) -> list[ModeDescription]:
+        out = []
+        for name in DRAFTERS.names():
+            spec = DRAFTERS.spec(name)
+            reason = ""
+            try:
+                self.engine.runtime(name)
+            except ModeUnavailableError as exc:
+                reason = str(exc)
+            out.append(ModeDescription(name, spec.summary, spec.options, not reason, reason))
+        return out
+
+    def available_modes(self) -> list[str]:
+        return [m.name for m in self.modes() if m.available]

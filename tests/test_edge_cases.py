@@ -1,0 +1,133 @@
+"""Regression tests for edge cases found in review: context limits, masks, windows, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import engine_for, tiny_model
+
+from llm_worker.config import CostConfig, EngineConfig, ModelConfig
+from llm_worker.engine import Engine, GenerationRequest, GenerationResult
+from llm_worker.model import wrap_model
+from llm_worker.planner import CostCurve, measure_cost_curve
+from llm_worker.types import ArtifactNeeds
+from llm_worker.verify.tree import tree_buffers
+
+FLAT = CostCurve.linear(0.05, 0.0)
+TREE_MODES = ["pld", "pld+h:layer=1", "pld+h:layer=1:branches=4"]
+
+
+def repetitive_prompt(length: int, period: int = 10) -> list[int]:
+    body = np.random.default_rng(7).integers(1, 95, size=period).tolist()
+    return (body * (length // period + 1))[:length]
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_tree_drafts_near_the_context_limit_are_trimmed_not_refused(backend: str) -> None:
+    target = wrap_model(tiny_model("llama"), None, ModelConfig(backend=backend, max_context=60))
+    engine = engine_for(target, FLAT)
+    prompt = repetitive_prompt(40)
+    ref = engine.generate(GenerationRequest(tuple(prompt), 20, "ar")).token_ids
+    for mode in TREE_MODES:
+        assert engine.generate(GenerationRequest(tuple(prompt), 20, mode)).token_ids == ref, mode
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_backend_tree_masks_hold_for_every_attention_implementation(kind: str, impl: str) -> None:
+    model = tiny_model(kind)
+    model.set_attn_implementation(impl)
+    target = wrap_model(model, None, ModelConfig(backend="hf"))
+    none = ArtifactNeeds()
+    with torch.inference_mode():
+        state = target.start()
+        target.forward(state, torch.tensor([5, 6, 7, 8]), None, none)
+        target.commit(state, range(4))
+        # root 9 with children 11 and 12; 13 under 11
+        tree = target.forward(state, torch.tensor([9, 11, 12, 13]), tree_buffers((-1, -1, 0)), none).logits
+        ref = target.forward(target.start(), torch.tensor([5, 6, 7, 8, 9, 12]), None, none).logits[-1]
+    assert torch.allclose(tree[2], ref, atol=1e-5)
+    engine = engine_for(target, FLAT)
+    prompt = repetitive_prompt(36, 12)
+    ref_tokens = engine.generate(GenerationRequest(tuple(prompt), 40, "ar")).token_ids
+    assert (
+        engine.generate(GenerationRequest(tuple(prompt), 40, "pld+h:layer=1:branches=4")).token_ids
+        == ref_tokens
+    )
+
+
+def test_sliding_window_models_run_every_mode_on_the_hf_backend() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=95,
+        tie_word_embeddings=False,
+        sliding_window=16,
+    )
+    model = transformers.MistralForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    target = wrap_model(model, None, ModelConfig())
+    assert target.info.backend == "hf"
+    engine = engine_for(target, FLAT)
+    prompt = repetitive_prompt(36, 12)
+    ref = engine.generate(GenerationRequest(tuple(prompt), 40, "ar")).token_ids
+    with torch.inference_mode():  # our ar is the model's own greedy decoding
+        hf = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=95)
+    assert hf[0, len(prompt) :].tolist() == ref
+    for mode in TREE_MODES:
+        assert engine.generate(GenerationRequest(tuple(prompt), 40, mode)).token_ids == ref, mode
+
+
+def test_cost_curve_on_a_short_context_model() -> None:
+    target = wrap_model(tiny_model("llama"), None, ModelConfig(max_context=64))
+    curve = measure_cost_curve(target, CostConfig(repeats=1), 65)
+    assert max(curve.sizes) <= 32 and all(c >= 1 for c in curve.contexts)
+    engine = Engine(target, EngineConfig(cost=CostConfig(repeats=1, cache=False)))
+    assert len(engine.generate(GenerationRequest(tuple(repetitive_prompt(20)), 8, "pld")).token_ids) == 8
+    assert CostCurve((1,), (0,), ((0.5,),)).t(7, 100) == 0.5
+
+
+def test_a_stream_may_be_resumed_from_different_threads() -> None:
+    engine = engine_for(wrap_model(tiny_model("llama"), None, ModelConfig()), FLAT)
+    steps = engine.stream(GenerationRequest(tuple(repetitive_prompt(30)), 24, "pld"))
+    items: list[object] = []
+    errors: list[BaseException] = []
+
+    def one_step() -> None:
+        try:
+            items.append(next(steps))
+        except StopIteration:
+            items.append(None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    while not errors and (not items or items[-1] is not None):
+        thread = threading.Thread(target=one_step)
+        thread.start()
+        thread.join()
+    assert not errors, errors
+    assert isinstance(items[-2], GenerationResult)
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_hidden_states_mean_the_same_on_both_backends(backend: str) -> None:
+    model = tiny_model("llama")
+    target = wrap_model(model, None, ModelConfig(backend=backend))
+    ids = torch.tensor([3, 4, 5, 6, 7])
+    needs = ArtifactNeeds(hidden_layers=frozenset({0, 1, 2}))
+    with torch.inference_mode():
+        out = target.forward(target.start(), ids, None, needs)
+        ref = model(ids[None], output_hidden_states=True).hidden_states
+    for layer in (0, 1, 2):
+        assert torch.allclose(out.hidden[layer], ref[layer][0], atol=1e-5), layer

@@ -1,0 +1,266 @@
+"""The worker's gRPC server on a real loopback port: results, statuses, limits, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import CPU_LIKE_CURVE
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from client.cli import main
+from client.grpc_client import GenerationClient, RequestOptions, build_request, response_to_json
+from client.stubs import generation_pb2, generation_pb2_grpc
+from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
+from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.model import load_target
+from llm_worker.server import ServerConfig, WorkerServer
+from llm_worker.worker import Worker
+
+
+class ServerThread:
+    """A WorkerServer on its own event loop in a background thread."""
+
+    def __init__(self, worker: Worker, cfg: ServerConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def make() -> WorkerServer:
+            server = WorkerServer(worker, cfg)
+            await server.start()
+            return server
+
+        self.server = asyncio.run_coroutine_threadsafe(make(), self.loop).result(30)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def stop(self, grace: float = 0.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir: Path) -> Worker:
+    target, tokenizer = load_target(ModelConfig(path=str(tiny_dir)))
+    return Worker(Engine(target, EngineConfig(), curve=CPU_LIKE_CURVE), tokenizer, worker_id="w-test")
+
+
+def start(worker: Worker, **cfg: Any) -> ServerThread:
+    return ServerThread(worker, ServerConfig(port=0, **cfg))
+
+
+@pytest.fixture(scope="module")
+def server(worker: Worker) -> Iterator[ServerThread]:
+    srv = start(worker, max_concurrent=2)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread) -> Iterator[generation_pb2_grpc.GenerationStub]:
+    with grpc.insecure_channel(server.address) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def drop_timings(payload: dict[str, Any]) -> dict[str, Any]:
+    out = dict(payload)
+    out["stats"] = {k: v for k, v in payload["stats"].items() if "second" not in k}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ar", "pld", "pld+h"])
+def test_unary_and_stream_equal_the_in_process_result(
+    worker: Worker, server: ServerThread, mode: str
+) -> None:
+    text = "hello world hello world hello"
+    opts = RequestOptions(mode=mode, max_new_tokens=40)
+    local = worker.engine.generate(
+        GenerationRequest(tuple(worker.encode(worker_request(text))), 40, mode, SamplingParams())
+    )
+    with GenerationClient([server.address]) as client:
+        unary = client.generate(build_request(text=text, options=opts))
+        chunks = list(client.generate_stream(build_request(text=text, options=opts)))
+    assert list(unary.token_ids) == local.token_ids
+    assert unary.mode == mode and unary.worker_id == "w-test"
+    assert unary.stats.new_tokens == len(local.token_ids)
+    streamed = [t for c in chunks if not c.HasField("final") for t in c.token_ids]
+    assert streamed == local.token_ids
+    assert chunks[-1].HasField("final") and list(chunks[-1].final.token_ids) == local.token_ids
+    assert "".join(c.text for c in chunks) == unary.text
+
+
+def worker_request(text: str) -> Any:
+    from llm_worker.worker import WorkRequest
+
+    return WorkRequest(text=text)
+
+
+def test_sampling_with_a_seed_is_reproducible_over_grpc(server: ServerThread) -> None:
+    opts = RequestOptions(mode="pld", max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7)
+    with GenerationClient([server.address]) as client:
+        a = client.generate(build_request(chat=[("user", "hi")], options=opts))
+        b = client.generate(build_request(chat=[("user", "hi")], options=opts))
+    assert list(a.token_ids) == list(b.token_ids)
+
+
+BAD_REQUESTS = {
+    "empty text": (build_request(text=""), "the prompt is empty"),
+    "no prompt": (generation_pb2.GenerateRequest(max_new_tokens=4), "exactly one prompt"),
+    "unknown mode": (build_request(text="hi", options=RequestOptions(mode="nope")), "unknown mode 'nope'"),
+    "bad option": (build_request(text="hi", options=RequestOptions(mode="pld:x=1")), "takes options"),
+    "token out of range": (build_request(token_ids=[1, 10**6]), "outside the vocabulary"),
+    "too long": (build_request(text="hi", options=RequestOptions(max_new_tokens=5000)), "exceeds the model"),
+    "top_p": (build_request(text="hi", options=RequestOptions(temperature=1.0, top_p=1.5)), "top_p"),
+    "temperature": (build_request(text="hi", options=RequestOptions(temperature=-1.0)), "temperature"),
+    "chat role": (build_request(chat=[("robot", "hi")]), "chat role"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(
+    stub: generation_pb2_grpc.GenerationStub, case: str
+) -> None:
+    request, message = BAD_REQUESTS[case]
+    for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+        assert message in err.value.details(), err.value.details()
+    ok = stub.Generate(
+        build_request(text="still there?", options=RequestOptions(max_new_tokens=3)), timeout=30
+    )
+    assert len(ok.token_ids) >= 1
+
+
+def test_oversized_message_is_resource_exhausted(worker: Worker) -> None:
+    srv = start(worker, max_message_bytes=64 * 1024)
+    try:
+        with GenerationClient([srv.address]) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(build_request(text="x" * 200_000))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert len(
+                client.generate(build_request(text="ok", options=RequestOptions(max_new_tokens=2))).token_ids
+            )
+    finally:
+        srv.stop()
+
+
+def test_health_and_reflection(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specdraft.v1.Generation"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for a in answers for s in a.list_services_response.service}
+    assert {"specdraft.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_list_modes_and_model_info(server: ServerThread) -> None:
+    with GenerationClient([server.address]) as client:
+        modes = {m.name: m for m in client.list_modes().modes}
+        info = client.model_info()
+    assert {"ar", "pld", "pld+h", "pld+a"} <= set(modes)
+    assert modes["pld"].available and not modes["pld+a"].available  # no head calibration for a random model
+    assert "calibrate-heads" in modes["pld+a"].unavailable_reason
+    assert info.worker_id == "w-test" and info.vocab_size > 0 and info.max_context == 1024
+
+
+LONG = build_request(text="count", options=RequestOptions(max_new_tokens=900, ignore_eos=True))
+
+
+def test_back_pressure_refuses_at_once_beyond_the_limit(worker: Worker) -> None:
+    srv = start(worker, max_concurrent=1)
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            stream = stub.GenerateStream(LONG, timeout=60)
+            next(stream)  # the first call is running
+            began = time.perf_counter()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(build_request(text="hi"), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.perf_counter() - began < 2.0
+            stream.cancel()
+    finally:
+        srv.stop()
+
+
+def test_deadline_and_cancellation_stop_decoding(worker: Worker, server: ServerThread) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        began = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(LONG, timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.perf_counter() - began < 2.0
+        stream = stub.GenerateStream(LONG, timeout=60)
+        next(stream)
+        stream.cancel()
+    # The server let go of both calls promptly.
+    deadline = time.time() + 5
+    while server.server.servicer.active and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.server.servicer.active == 0
+
+
+def test_graceful_stop_finishes_calls_in_flight_and_refuses_new_ones(worker: Worker) -> None:
+    srv = start(worker, max_concurrent=4)
+    request = build_request(text="drain", options=RequestOptions(max_new_tokens=300, ignore_eos=True))
+    with grpc.insecure_channel(srv.address) as channel, ThreadPoolExecutor(3) as pool:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        calls = [pool.submit(stub.Generate, request, timeout=60) for _ in range(3)]
+        time.sleep(0.3)
+        stopper = pool.submit(srv.stop, 30.0)
+        results = [c.result() for c in calls]
+        stopper.result()
+    assert all(len(r.token_ids) == 300 for r in results)
+    with grpc.insecure_channel(srv.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            generation_pb2_grpc.GenerationStub(channel).Generate(build_request(text="late"), timeout=3)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_fails_over_to_a_live_worker(server: ServerThread) -> None:
+    dead = "127.0.0.1:1"  # nothing listens there
+    with GenerationClient([dead, server.address], timeout=30) as client:
+        resp = client.generate(build_request(text="hi", options=RequestOptions(max_new_tokens=3)))
+        chunks = list(
+            client.generate_stream(build_request(text="hi", options=RequestOptions(max_new_tokens=3)))
+        )
+    assert resp.worker_id == "w-test" and chunks[-1].HasField("final")
+
+
+def test_cli_generate_with_server_prints_the_in_process_json(
+    tiny_dir: Path, server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--mode", "pld", "--max-new-tokens", "20", "--json", "--chat", "hello hello"]
+    assert main([*argv, "--model", str(tiny_dir)]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--server", server.address]) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert drop_timings(remote) == drop_timings(local)
+    assert set(remote) == set(local)
+    assert main(["generate", "--mode", "nope", "--server", server.address, "hi"]) == 2
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+def test_response_json_has_the_documented_keys(server: ServerThread) -> None:
+    with GenerationClient([server.address]) as client:
+        resp = client.generate(build_request(text="hi", options=RequestOptions(max_new_tokens=4)))
+    payload = response_to_json(resp)
+    assert {"text", "token_ids", "mode", "finish_reason", "prompt_tokens", "stats", "provenance"} == set(
+        payload
+    )
