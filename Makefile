@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,29 @@ format: setup
 
 bench: setup
 	$(VENV)/bin/specdraft bench --json-out bench-out/bench.json --plot bench-out/bench.png
+
+# The local stack (redis + workers on loopback); state and logs under ~/.cache/specdraft/stack.
+up: setup
+	$(VENV)/bin/specdraft up
+
+down: setup
+	$(VENV)/bin/specdraft down
+
+# Headless locust run against a fresh local stack, which is stopped afterwards whatever happens.
+# The report: bench-out/loadtest_stats.csv, ..._generation.json and bench-out/loadtest.html.
+LOAD_USERS    ?= 4
+LOAD_DURATION ?= 60s
+LOAD_MODE     ?= pld
+LOAD_TOKENS   ?= 64
+LOAD_STATE    ?= bench-out/loadtest-stack
+loadtest: setup
+	mkdir -p bench-out
+	$(VENV)/bin/specdraft up --state-dir $(LOAD_STATE) --port 0 --metrics-port 0 --redis-port 0 \
+	  --max-concurrent $(LOAD_USERS) > /dev/null
+	$(VENV)/bin/locust -f deploy/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_USERS) \
+	  -t $(LOAD_DURATION) --state-dir $(LOAD_STATE) --mode $(LOAD_MODE) --max-new-tokens $(LOAD_TOKENS) \
+	  --csv bench-out/loadtest --html bench-out/loadtest.html --only-summary; \
+	  status=$$?; $(VENV)/bin/specdraft down --state-dir $(LOAD_STATE); exit $$status
 
 calibrate: setup
 	$(VENV)/bin/specdraft calibrate-heads --ship

@@ -313,16 +313,20 @@ class WorkerServer:
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
+        # grpc's health servicer starts out SERVING for "": not before we say so.
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
-        serving = health_pb2.HealthCheckResponse.SERVING
-        await self.health.set("", serving)
-        await self.health.set(SERVICE_NAME, serving)
         if self.registry is not None:
             self.modes = tuple(await asyncio.to_thread(self.worker.available_modes))
             await self._publish()
             self._heartbeat = asyncio.create_task(self._beat())
+        # SERVING last: once health says so, the worker is also discoverable in the registry.
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await self.health.set("", serving)
+        await self.health.set(SERVICE_NAME, serving)
         log.info("worker %s serving on %s:%d", self.worker.worker_id, self.cfg.host, self.port)
         return self.port
 

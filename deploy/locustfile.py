@@ -1,0 +1,183 @@
+"""Load test for LLM workers over gRPC (locust's gRPC pattern: gevent-patched grpc, request events).
+
+Each simulated user streams generations (``GenerateStream``) and, less often, makes unary calls
+(``Generate``) with prompts from the built-in input-guided suite. Locust's statistics get one
+entry per call kind:
+
+- ``grpc GenerateStream``      latency of the whole stream; response length = tokens generated
+- ``grpc GenerateStream TTFT`` time to the first streamed token
+- ``grpc Generate``            latency of a unary call
+
+and at the end, per user-visible generation metric, a summary of tokens/s, TTFT and τ is printed
+and written as JSON beside the CSV report (``<csv prefix>_generation.json``).
+
+Where the workers are: ``--host HOST:PORT[,HOST:PORT...]``, else ``$SPECDRAFT_WORKERS``, else the
+local stack's state file (``specdraft up``). Examples::
+
+    specdraft up
+    locust -f deploy/locustfile.py --headless -u 4 -r 1 -t 60s --csv bench-out/loadtest \\
+        --html bench-out/loadtest.html --mode pld --max-new-tokens 64
+
+A call that fails with any gRPC status is a locust failure (the status name is the error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import User, events, task
+from locust.env import Environment
+
+# gRPC's C core must cooperate with gevent (locust monkey-patches the standard library first).
+grpc_gevent.init_gevent()
+
+from client.grpc_client import CHANNEL_OPTIONS, RequestOptions, build_request  # noqa: E402
+from client.stack import default_state_dir, read_state  # noqa: E402
+from client.stubs import generation_pb2_grpc  # noqa: E402
+
+_generations: list[dict[str, float]] = []
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser: Any) -> None:
+    parser.add_argument("--mode", default="pld", help="drafting mode of every request")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompt-chars", type=int, default=2000, help="cut prompts to this many characters")
+    parser.add_argument("--state-dir", default="", help="local stack to target when --host is not given")
+
+
+def worker_addresses(host: str | None, state_dir: str = "") -> list[str]:
+    """Where the load goes: ``--host``, ``$SPECDRAFT_WORKERS``, or the local stack."""
+    spec = host or os.environ.get("SPECDRAFT_WORKERS", "")
+    if spec:
+        return [a.strip().removeprefix("grpc://") for a in spec.split(",") if a.strip()]
+    state = read_state(Path(state_dir) if state_dir else default_state_dir())
+    if state is None or not state.worker_addresses():
+        raise SystemExit("no workers: pass --host HOST:PORT, set SPECDRAFT_WORKERS or run `specdraft up`")
+    return state.worker_addresses()
+
+
+def _prompts(limit: int) -> list[str]:
+    from llm_worker.bench.suite import builtin_suite
+
+    return [q.turns[0][:limit] for q in builtin_suite()]
+
+
+class GenerationUser(User):
+    """One client: its own channel to one of the workers, chosen at random."""
+
+    def on_start(self) -> None:
+        opts = self.environment.parsed_options
+        addresses = worker_addresses(self.host, getattr(opts, "state_dir", ""))
+        self.channel = grpc.insecure_channel(random.choice(addresses), options=CHANNEL_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.prompts = _prompts(getattr(opts, "prompt_chars", 2000))
+        self.options = RequestOptions(
+            mode=getattr(opts, "mode", "pld"),
+            max_new_tokens=getattr(opts, "max_new_tokens", 64),
+            temperature=getattr(opts, "temperature", 0.0),
+        )
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    def _request(self) -> Any:
+        return build_request(chat=[("user", random.choice(self.prompts))], options=self.options)
+
+    def _fire(self, name: str, started: float, length: int, exc: Exception | None) -> None:
+        self.environment.events.request.fire(
+            request_type="grpc",
+            name=name,
+            response_time=(time.perf_counter() - started) * 1000.0,
+            response_length=length,
+            exception=exc,
+            context={},
+        )
+
+    @task(3)
+    def stream(self) -> None:
+        started = time.perf_counter()
+        tokens, first, final = 0, None, None
+        try:
+            for chunk in self.stub.GenerateStream(self._request(), timeout=300):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter()
+                    self._fire("GenerateStream TTFT", started, 0, None)
+                tokens += len(chunk.token_ids)
+                if chunk.HasField("final"):
+                    final = chunk.final
+        except grpc.RpcError as exc:
+            self._fire("GenerateStream", started, tokens, _failure(exc))
+            return
+        self._fire("GenerateStream", started, tokens, None)
+        seconds = time.perf_counter() - started
+        _record(tokens, seconds, (first or time.perf_counter()) - started, final)
+
+    @task(1)
+    def unary(self) -> None:
+        started = time.perf_counter()
+        try:
+            resp = self.stub.Generate(self._request(), timeout=300)
+        except grpc.RpcError as exc:
+            self._fire("Generate", started, 0, _failure(exc))
+            return
+        self._fire("Generate", started, len(resp.token_ids), None)
+        _record(len(resp.token_ids), time.perf_counter() - started, None, resp)
+
+
+def _failure(exc: grpc.RpcError) -> Exception:
+    code = exc.code() if hasattr(exc, "code") else None
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    return RuntimeError(f"{code.name if code else 'ERROR'}: {detail}")
+
+
+def _record(tokens: int, seconds: float, ttft: float | None, final: Any) -> None:
+    row = {"tokens": float(tokens), "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9)}
+    if ttft is not None:
+        row["ttft"] = ttft
+    if final is not None and final.HasField("stats"):
+        row["tau"] = final.stats.tau
+    _generations.append(row)
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """Per-generation tokens/s, TTFT and τ over the run (medians and p95)."""
+
+    def pct(values: list[float], q: float) -> float:
+        if not values:
+            return float("nan")
+        values = sorted(values)
+        return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+    out: dict[str, Any] = {"generations": len(rows), "tokens": int(sum(r["tokens"] for r in rows))}
+    for key in ("tokens_per_second", "ttft", "tau"):
+        values = [r[key] for r in rows if key in r]
+        out[key] = {
+            "mean": statistics.fmean(values) if values else float("nan"),
+            "p50": pct(values, 0.5),
+            "p95": pct(values, 0.95),
+        }
+    return out
+
+
+@events.quitting.add_listener
+def _report(environment: Environment, **_kw: Any) -> None:
+    summary = summarize(_generations)
+    text = json.dumps(summary, indent=2)
+    print(f"generation summary: {text}")
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if prefix:
+        path = Path(f"{prefix}_generation.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, path)

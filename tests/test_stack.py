@@ -1,0 +1,140 @@
+"""The local stack (`specdraft up` / `down`) with real processes: redis-server, two workers, locust."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from client.cli import main
+from client.grpc_client import GenerationClient, RequestOptions, build_request
+from client.registry import RedisRegistry, discover
+from client.stack import StackConfig, StackError, StackState, down, is_alive, read_state, status, up
+
+pytestmark = pytest.mark.redis
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_stack_config(tiny_dir: Path, **overrides: object) -> StackConfig:
+    args = ("--model", str(tiny_dir), "--threads", "1", "--no-warm", "--max-concurrent", "4")
+    base: dict[str, object] = dict(
+        workers=2,
+        worker_port=0,
+        metrics_port=0,
+        redis_port=0,
+        worker_args=args,
+        startup_timeout=240.0,
+        grace_seconds=5.0,
+    )
+    base.update(overrides)
+    return StackConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, StackState]]:
+    state_dir = tmp_path_factory.mktemp("stack")
+    state = up(tiny_stack_config(tiny_dir), state_dir)
+    try:
+        yield state_dir, state
+    finally:
+        down(state_dir, grace_seconds=5.0)
+
+
+def test_up_serves_registers_and_exports_metrics(stack: tuple[Path, StackState]) -> None:
+    state_dir, state = stack
+    rows = status(state_dir)
+    assert [r["kind"] for r in rows] == ["redis", "worker", "worker"]
+    assert all(r["alive"] for r in rows)
+    assert [r["health"] for r in rows if r["kind"] == "worker"] == ["SERVING", "SERVING"]
+    assert sorted(discover(RedisRegistry(state.registry), "pld")) == sorted(state.worker_addresses())
+    for proc in state.workers():
+        with urllib.request.urlopen(proc.metrics, timeout=5) as reply:
+            assert b"specdraft_requests_total" in reply.read()
+
+
+def test_cli_status_and_a_second_up_is_refused(
+    stack: tuple[Path, StackState], tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state_dir, _ = stack
+    assert main(["status", "--state-dir", str(state_dir), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 3
+    with pytest.raises(StackError, match="already running"):
+        up(tiny_stack_config(tiny_dir), state_dir)
+
+
+def test_locust_headless_run_has_no_failures(stack: tuple[Path, StackState], tmp_path: Path) -> None:
+    state_dir, _ = stack
+    prefix = tmp_path / "load"
+    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "deploy" / "locustfile.py"), "--headless"]
+    cmd += ["-u", "3", "-r", "3", "-t", "20s", "--state-dir", str(state_dir), "--mode", "pld"]
+    cmd += ["--max-new-tokens", "16", "--csv", str(prefix), "--html", str(tmp_path / "load.html")]
+    run = subprocess.run([*cmd, "--only-summary"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    total = rows["Aggregated"]
+    assert int(total["Request Count"]) > 0 and int(total["Failure Count"]) == 0
+    assert {"GenerateStream", "GenerateStream TTFT"} <= set(rows)
+    summary = json.loads(Path(f"{prefix}_generation.json").read_text())
+    assert summary["generations"] > 0 and summary["tokens"] > 0
+    assert (tmp_path / "load.html").stat().st_size > 0
+
+
+def test_client_fails_over_when_a_worker_dies_mid_run(stack: tuple[Path, StackState]) -> None:
+    """SIGKILL the first worker while a client keeps generating: every call still succeeds."""
+    _, state = stack
+    addresses = discover(RedisRegistry(state.registry), "pld")
+    victim = next(p for p in state.workers() if p.address == addresses[0])
+    request = build_request(text="fail over", options=RequestOptions(mode="pld", max_new_tokens=24))
+    with GenerationClient(addresses, timeout=60) as client, ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(client.generate, request) for _ in range(12)]
+        calls[0].result()
+        os.kill(victim.pid, signal.SIGKILL)  # calls are in flight on it or queued for it
+        results = [c.result() for c in calls]  # raises if any call failed
+    assert len({tuple(r.token_ids) for r in results}) == 1  # greedy: the same tokens from either worker
+    survivor = next(p.name for p in state.workers() if p is not victim)
+    assert results[-1].worker_id == survivor
+
+
+def test_down_stops_every_process(stack: tuple[Path, StackState]) -> None:
+    state_dir, state = stack
+    stopped = down(state_dir, grace_seconds=5.0)
+    assert stopped is not None
+    assert not any(is_alive(p) for p in state.processes)
+    assert read_state(state_dir) is None and down(state_dir) is None
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_worker_that_cannot_start_stops_the_whole_stack(tmp_path: Path) -> None:
+    cfg = StackConfig(
+        workers=1,
+        worker_port=0,
+        metrics_port=None,
+        redis_port=0,
+        worker_args=("--model", str(tmp_path / "no-such-model")),
+        startup_timeout=120.0,
+    )
+    with pytest.raises(StackError, match="worker-0 exited during start-up"):
+        up(cfg, tmp_path)
+    assert read_state(tmp_path) is None
+    assert _processes_mentioning(str(tmp_path)) == []  # redis (started with --dir tmp_path) is gone
