@@ -40,6 +40,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Write a temporary file beside ``path``, then rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -322,6 +330,38 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(r["alive"] for r in rows) else 1
 
 
+def _cmd_bench_grpc(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from client.bench_grpc import measure
+    from client.stack import StackConfig, StackError, down, up
+
+    prompt = "Write a numbered list of twenty fruits, one per line."
+    if args.server:
+        report = measure(args.server.split(","), args.calls, args.max_new_tokens, prompt, args.mode)
+    else:
+        worker_args = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend]
+        worker_args += ["--model", args.model] if args.model else []
+        worker_args += ["--threads", str(args.threads)] if args.threads else []
+        cfg = StackConfig(
+            worker_port=0, metrics_port=None, redis=False, worker_args=tuple(worker_args), grace_seconds=5
+        )
+        with tempfile.TemporaryDirectory(prefix="specdraft-bench-grpc-") as state:
+            try:
+                stack = up(cfg, Path(state))
+            except StackError as exc:
+                raise CliError(str(exc)) from exc
+            try:
+                report = measure(stack.worker_addresses(), args.calls, args.max_new_tokens, prompt, args.mode)
+            finally:
+                down(Path(state), grace_seconds=5)
+    text = json.dumps(report.to_json(), indent=2)
+    sys.stdout.write(text + "\n")
+    if args.json_out:
+        _write_atomically(Path(args.json_out), text + "\n")
+    return 0
+
+
 # -- bench ---------------------------------------------------------------------------------
 
 
@@ -354,12 +394,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     report = result.to_json()
     render_table(report, Console())
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        tmp.replace(out)
-        console.print(f"wrote {out}")
+        _write_atomically(Path(args.json_out), json.dumps(report, indent=1) + "\n")
+        console.print(f"wrote {args.json_out}")
     if args.plot:
         console.print(f"wrote {plot(report, Path(args.plot))}")
     return 0
@@ -512,6 +548,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json-out", help="write the report as JSON here")
     b.add_argument("--plot", help="write a PNG of speed-up and τ per mode and category")
     b.set_defaults(func=_cmd_bench)
+
+    bg = sub.add_parser("bench-grpc", help="gRPC overhead per unary call and per streamed token")
+    _add_model_args(bg)
+    bg.add_argument("--server", help="HOST:PORT of a running worker (default: start one)")
+    bg.add_argument("--calls", type=_positive_int, default=50, help="unary + streaming pairs")
+    bg.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    bg.add_argument("--mode", default="ar")
+    bg.add_argument("--json-out", help="write the report as JSON here")
+    bg.set_defaults(func=_cmd_bench_grpc)
 
     c = sub.add_parser("calibrate-heads", help="find the model's induction heads for pld+a")
     _add_model_args(c)

@@ -305,3 +305,23 @@ def test_sigterm_drains_a_real_worker_process_with_no_failed_calls(tiny_dir: Pat
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bench_grpc_reports_overhead_per_call_and_per_token(
+    server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench-grpc", "--server", server.address, "--calls", "3", "--max-new-tokens", "4"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["calls"] == 3 and report["new_tokens"] == 4
+    for key in ("unary_overhead_ms", "stream_overhead_ms_per_token"):
+        assert set(report[key]) == {"median", "p99", "mean"}
+        assert report[key]["median"] <= report[key]["p99"]
+
+
+def test_percentile_is_nearest_rank() -> None:
+    from client.bench_grpc import percentile
+
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.0
+    assert percentile(list(map(float, range(1, 101))), 0.99) == 99.0
+    assert percentile([7.0], 0.99) == 7.0
