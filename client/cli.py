@@ -90,7 +90,40 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         target, tokenizer = load_target(cfg)
     except (ModelNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from exc
-    return Engine(target), target, tokenizer
+    return Engine(target, resources=_resources(args, tokenizer)), target, tokenizer
+
+
+def _add_datastore_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("datastore (for rest)")
+    g.add_argument("--datastore", help="a datastore version directory, loaded in this process")
+    g.add_argument("--datastore-addr", help="HOST:PORT[,HOST:PORT...] of datastore shards, one per shard")
+    g.add_argument(
+        "--datastore-deadline-ms", type=float, default=20.0, help="per-shard deadline of a remote retrieval"
+    )
+
+
+def _resources(args: argparse.Namespace, tokenizer: Any) -> Any:
+    from llm_worker.drafters import DraftResources
+
+    path, addr = getattr(args, "datastore", None), getattr(args, "datastore_addr", None)
+    if path and addr:
+        raise CliError("give --datastore or --datastore-addr, not both")
+    if path:
+        from datastore_svc.store import DatastoreError, DatastoreVersion, LocalRetriever, tokenizer_identity
+
+        try:
+            version = DatastoreVersion(
+                path, tokenizer_fingerprint=tokenizer_identity(tokenizer)["fingerprint"]
+            )
+        except DatastoreError as exc:
+            raise CliError(str(exc)) from exc
+        return DraftResources(LocalRetriever(version))
+    if addr:
+        from datastore_svc.fanout import RemoteDatastore
+
+        addresses = [a.strip() for a in addr.split(",") if a.strip()]
+        return DraftResources(RemoteDatastore(addresses, deadline=args.datastore_deadline_ms / 1000.0))
+    return DraftResources()
 
 
 # -- generate ------------------------------------------------------------------------------
@@ -147,6 +180,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             "stats": result.stats.to_json(),
             "provenance": [span.to_json() for span in result.provenance],
         }
+        if result.datastore_version:
+            payload["datastore_version"] = result.datastore_version
         sys.stdout.write(json.dumps(payload) + "\n")
     elif args.stream:
         sys.stdout.write("\n")
@@ -253,6 +288,110 @@ def _cmd_serve_worker(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     serve_forever(worker, cfg, ready, registry)
+    return 0
+
+
+# -- datastore -------------------------------------------------------------------------------
+
+
+def _load_tokenizer(args: argparse.Namespace) -> Any:
+    _quiet_libraries()
+    from transformers import AutoTokenizer
+
+    from llm_worker.model.loading import ModelNotFoundError, default_model_dir
+
+    try:
+        path = Path(args.model) if args.model else default_model_dir()
+    except ModelNotFoundError as exc:
+        raise CliError(str(exc)) from exc
+    if not (path / "config.json").exists() and not (path / "tokenizer.json").exists():
+        raise CliError(f"{path} is not a Hugging Face model directory")
+    return AutoTokenizer.from_pretrained(path), path
+
+
+def _cmd_datastore_build(args: argparse.Namespace) -> int:
+    from datastore_svc.corpus import CorpusError
+    from datastore_svc.store import DatastoreError, build
+
+    tokenizer, model_dir = _load_tokenizer(args)
+    if not Path(args.corpus).is_file():
+        raise CliError(f"corpus {args.corpus} does not exist")
+    try:
+        report = build(args.corpus, tokenizer, args.out, args.shards, str(model_dir), progress=not args.quiet)
+    except (DatastoreError, CorpusError) as exc:
+        raise CliError(str(exc)) from exc
+    total = sum(report.seconds.values())
+    payload = {
+        "path": str(report.path),
+        "version": report.version,
+        "documents": report.documents,
+        "tokens": report.tokens,
+        "shards": args.shards,
+        "seconds": {k: round(v, 3) for k, v in report.seconds.items()},
+        "tokens_per_second": round(report.tokens / max(total, 1e-9), 1),
+        "bytes": report.bytes,
+        "bytes_per_token": round(report.bytes_per_token, 2),
+    }
+    sys.stdout.write(json.dumps(payload) + "\n")
+    return 0
+
+
+def _cmd_datastore_info(args: argparse.Namespace) -> int:
+    from datastore_svc.store import DatastoreError, DatastoreVersion
+
+    try:
+        version = DatastoreVersion(args.path, verify=not args.no_verify)
+    except DatastoreError as exc:
+        raise CliError(str(exc)) from exc
+    m = version.manifest
+    payload = {
+        "path": str(version.path),
+        "version": version.version,
+        "shards": version.num_shards,
+        "documents": m.get("documents"),
+        "tokens": m.get("tokens"),
+        "tokenizer": m.get("tokenizer"),
+        "model": m.get("model"),
+        "verified": not args.no_verify,
+        "load_seconds": round(version.load_seconds, 3),
+        "build": m.get("build"),
+    }
+    sys.stdout.write(json.dumps(payload) + "\n")
+    return 0
+
+
+def _cmd_datastore_swap(args: argparse.Namespace) -> int:
+    from datastore_svc.fanout import swap_all
+
+    addresses = [a.strip() for a in args.datastore_addr.split(",") if a.strip()]
+    try:
+        swapped = swap_all(addresses, args.version, timeout=args.timeout)
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from exc
+    for address, (previous, current) in zip(addresses, swapped, strict=True):
+        sys.stderr.write(f"{address}: {previous} -> {current}\n")
+    return 0
+
+
+def _cmd_serve_datastore(args: argparse.Namespace) -> int:
+    from datastore_svc.server import ShardServerConfig, serve_forever
+    from datastore_svc.shard import ShardState
+    from datastore_svc.store import DatastoreError
+
+    try:
+        state = ShardState.open(args.datastore, args.shard, drain_seconds=args.drain_seconds)
+    except DatastoreError as exc:
+        raise CliError(str(exc)) from exc
+    cfg = ShardServerConfig(
+        host=args.host, port=args.port, metrics_port=args.metrics_port, grace_seconds=args.grace_seconds
+    )
+
+    def ready(port: int) -> None:
+        name = state.current.version
+        sys.stderr.write(f"specdraft datastore shard {args.shard} ({name}) listening on {args.host}:{port}\n")
+        sys.stderr.flush()
+
+    serve_forever(state, cfg, ready)
     return 0
 
 
@@ -385,7 +524,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
 
     if not modes:
-        modes = [*DRAFTERS.available(target), "hf-ar", "hf-pld"]
+        modes = [*DRAFTERS.available(target, engine.resources), "hf-ar", "hf-pld"]
     console = Console(stderr=True)
     try:
         result = run_bench(engine, tokenizer, questions, modes, args.max_new_tokens, progress=console.log)
@@ -446,11 +585,11 @@ def _cmd_modes(args: argparse.Namespace) -> int:
     _engine, target, _tokenizer = _load(args)
     from llm_worker.drafters import DRAFTERS
 
-    available = set(DRAFTERS.available(target))
+    available = set(DRAFTERS.available(target, _engine.resources))
     for name in DRAFTERS.names():
         spec = DRAFTERS.spec(name)
         opts = f" (options: {', '.join(spec.options)})" if spec.options else ""
-        state = "" if name in available else "  [unavailable for this model]"
+        state = "" if name in available else "  [unavailable here]"
         sys.stdout.write(f"{name:8s} {spec.summary}{opts}{state}\n")
     return 0
 
@@ -465,6 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     _add_model_args(g)
+    _add_datastore_args(g)
     g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     g.add_argument("--mode", default="ar", help="drafting mode, e.g. ar, pld, pld+h, pld+a, pld+h:layer=12")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -488,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_sub = serve.add_subparsers(dest="service", required=True)
     w = serve_sub.add_parser("worker", help="an LLM worker (gRPC Generation service)")
     _add_model_args(w)
+    _add_datastore_args(w)
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=50051, help="0 = any free port")
     w.add_argument(
@@ -536,8 +677,45 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_cmd_status)
 
+    ds = serve_sub.add_parser("datastore", help="one datastore shard (gRPC Datastore service)")
+    ds.add_argument("--datastore", required=True, help="the version directory to serve first")
+    ds.add_argument("--shard", type=int, default=0, help="which shard of the version")
+    ds.add_argument("--host", default="127.0.0.1")
+    ds.add_argument("--port", type=int, default=50061, help="0 = any free port")
+    ds.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    ds.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
+    ds.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=60.0,
+        help="keep a swapped-out version this long for its requests",
+    )
+    ds.set_defaults(func=_cmd_serve_datastore)
+
+    dsc = sub.add_parser("datastore", help="build, inspect and swap datastore versions")
+    dsc_sub = dsc.add_subparsers(dest="action", required=True)
+    bd = dsc_sub.add_parser("build", help="build a new version from a JSONL corpus")
+    bd.add_argument(
+        "--corpus", required=True, help='JSONL of {"text"}, {"prompt","response"} or {"messages"}'
+    )
+    bd.add_argument("--out", required=True, help="the new version directory (must not exist)")
+    bd.add_argument("--shards", type=_positive_int, default=1)
+    bd.add_argument("--model", default=None, help="whose tokenizer (default: SmolLM2-135M-Instruct)")
+    bd.add_argument("--quiet", action="store_true", help="no progress bars")
+    bd.set_defaults(func=_cmd_datastore_build)
+    di = dsc_sub.add_parser("info", help="check a version (checksums) and print its manifest summary")
+    di.add_argument("path")
+    di.add_argument("--no-verify", action="store_true", help="skip the checksums")
+    di.set_defaults(func=_cmd_datastore_info)
+    dw = dsc_sub.add_parser("swap", help="make every shard load a version and switch to it")
+    dw.add_argument("--version", required=True, help="version name (beside the current one) or directory")
+    dw.add_argument("--datastore-addr", required=True, help="HOST:PORT[,HOST:PORT...] of every shard")
+    dw.add_argument("--timeout", type=float, default=600.0, help="seconds each shard may take to load")
+    dw.set_defaults(func=_cmd_datastore_swap)
+
     b = sub.add_parser("bench", help="benchmark modes side by side")
     _add_model_args(b)
+    _add_datastore_args(b)
     b.add_argument("--questions", help="JSONL in Spec-Bench's format (question_id, category, turns)")
     b.add_argument("--suite", default="input-guided", help="built-in suite when --questions is not given")
     b.add_argument(
@@ -569,6 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("modes", help="list drafting modes")
     _add_model_args(m)
+    _add_datastore_args(m)
     m.set_defaults(func=_cmd_modes)
     return parser
 

@@ -194,7 +194,7 @@ class AsyncGenerationClient:
 def response_to_json(resp: generation_pb2.GenerateResponse) -> dict[str, Any]:
     """The CLI's JSON object (the same keys as the in-process path)."""
     s = resp.stats
-    return {
+    payload: dict[str, Any] = {
         "text": resp.text,
         "token_ids": list(resp.token_ids),
         "mode": resp.mode,
@@ -222,3 +222,6 @@ def response_to_json(resp: generation_pb2.GenerateResponse) -> dict[str, Any]:
             for p in resp.provenance
         ],
     }
+    if resp.datastore_version:
+        payload["datastore_version"] = resp.datastore_version
+    return payload

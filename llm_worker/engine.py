@@ -13,12 +13,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from llm_worker.config import EngineConfig, SamplingParams
-from llm_worker.drafters import DRAFTERS, DraftContext, Drafter
+from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import CostCurve, DraftPlanner, load_or_measure
 from llm_worker.sampling import make_generator, sample, warp_logits
@@ -54,6 +55,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (end-of-sequence token) or "length"
     stats: GenerationStats
     provenance: list[CopiedSpan]
+    datastore_version: str = ""  # the datastore version that drafted, if any
 
 
 @dataclass(frozen=True)
@@ -170,10 +172,15 @@ class _ModeRuntime:
 
 class Engine:
     def __init__(
-        self, target: TargetModel, config: EngineConfig | None = None, curve: CostCurve | None = None
+        self,
+        target: TargetModel,
+        config: EngineConfig | None = None,
+        curve: CostCurve | None = None,
+        resources: DraftResources | None = None,
     ) -> None:
         self.target = target
         self.config = config or EngineConfig()
+        self.resources = resources or DraftResources()
         self._curve = curve
         self._modes: dict[str, _ModeRuntime] = {}
         self._lock = threading.Lock()
@@ -194,7 +201,8 @@ class Engine:
             rt = self._modes.get(mode)
             if rt is not None:
                 return rt
-        drafter = DRAFTERS.create(mode, self.target)  # may raise UnknownModeError / ModeUnavailableError
+        # may raise UnknownModeError / ModeUnavailableError
+        drafter = DRAFTERS.create(mode, self.target, self.resources)
         planners: list[DraftPlanner | None] = [None, None]
         if drafter.proposes:
             planners = [DraftPlanner(self.cost_curve, self.config.planner) for _ in range(2)]
@@ -285,6 +293,7 @@ class Engine:
         confidence = _top_probability(logits)
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
+        request_state: dict[str, Any] = {}
         yield StepOutput(out.emit([first], [NO_SOURCE], drafter.name))
 
         while not out.finish:
@@ -300,6 +309,7 @@ class Engine:
                     budget,
                     hidden=artifacts.hidden if needs.hidden_layers else None,
                     attention=artifacts.attention if needs.query_heads else None,
+                    request_state=request_state,
                 )
                 with rt.lock:
                     tree = drafter.propose(ctx)
@@ -334,4 +344,5 @@ class Engine:
             yield StepOutput(emitted)
 
         stats.seconds = time.perf_counter() - began
-        yield GenerationResult(out.generated, req.mode, out.finish, stats, out.provenance.spans)
+        version = str(request_state.get("datastore_version", ""))
+        yield GenerationResult(out.generated, req.mode, out.finish, stats, out.provenance.spans, version)

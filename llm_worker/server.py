@@ -110,6 +110,7 @@ def to_response(
         stats=stats,
         provenance=spans,
         worker_id=worker_id,
+        datastore_version=result.datastore_version,
     )
 
 

@@ -63,9 +63,11 @@ class SampledDrafts(Drafter):
 def _register_test_modes() -> None:
     if "test-tree" not in DRAFTERS.names():
         DRAFTERS.register("test-tree", "test only")(
-            lambda target, opts: TreeOfContinuations(target.info.vocab_size)
+            lambda target, opts, res: TreeOfContinuations(target.info.vocab_size)
         )
-        DRAFTERS.register("test-q", "test only")(lambda target, opts: SampledDrafts(target.info.vocab_size))
+        DRAFTERS.register("test-q", "test only")(
+            lambda target, opts, res: SampledDrafts(target.info.vocab_size)
+        )
 
 
 _register_test_modes()

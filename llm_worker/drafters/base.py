@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ class DraftContext:
     ``tokens``: [T] the committed sequence (prompt + generated); its last token, the root, has
     no KV entry yet, so artifacts exist for positions 0 .. T-2 only.
     ``budget``: the most draft tokens worth proposing this step.
+    ``request_state``: a dict that lives for the request (drafters are shared by requests).
     """
 
     def __init__(
@@ -46,9 +47,12 @@ class DraftContext:
         budget: int,
         hidden: Callable[[int], torch.Tensor] | None = None,
         attention: Callable[[], torch.Tensor] | None = None,
+        request_state: dict[str, Any] | None = None,
     ) -> None:
         self.tokens = tokens  # [T] int64
         self.budget = budget
+        self.request_state = {} if request_state is None else request_state
+        """Lives as long as the request: e.g. the datastore version a request is pinned to."""
         self._hidden = hidden
         self._attention = attention
 
@@ -80,7 +84,22 @@ class Drafter(ABC):
         """Feedback after verification (default: none)."""
 
 
-DrafterFactory = Callable[["TargetModel", dict[str, str]], Drafter]
+class Retriever(Protocol):
+    """Draft candidates from a datastore (in process or over gRPC): see ``datastore_svc``."""
+
+    def retrieve(self, context: np.ndarray, cfg: Any, version: str = "") -> tuple[Any, str]:
+        """(a ``datastore_svc.retrieval.Retrieval``, the version that answered) for ``context``."""
+        ...
+
+
+@dataclass(frozen=True)
+class DraftResources:
+    """What a worker offers drafters beyond the model: today, a datastore."""
+
+    retriever: Retriever | None = None
+
+
+DrafterFactory = Callable[["TargetModel", dict[str, str], DraftResources], Drafter]
 
 
 @dataclass(frozen=True)
@@ -128,7 +147,7 @@ class DrafterRegistry:
             known = ", ".join(self._specs)
             raise UnknownModeError(f"unknown mode {name!r}; known modes: {known}") from None
 
-    def create(self, mode: str, target: TargetModel) -> Drafter:
+    def create(self, mode: str, target: TargetModel, resources: DraftResources | None = None) -> Drafter:
         name, options = parse_mode(mode)
         spec = self.spec(name)
         unknown = set(options) - set(spec.options)
@@ -136,16 +155,16 @@ class DrafterRegistry:
             raise UnknownModeError(
                 f"mode {name!r} takes options {list(spec.options) or 'none'}, not {sorted(unknown)}"
             )
-        drafter = spec.factory(target, options)
+        drafter = spec.factory(target, options, resources or DraftResources())
         drafter.name = name
         return drafter
 
-    def available(self, target: TargetModel) -> list[str]:
-        """Modes that can run on ``target``."""
+    def available(self, target: TargetModel, resources: DraftResources | None = None) -> list[str]:
+        """Modes that can run on ``target`` with ``resources``."""
         names = []
         for name in self._specs:
             try:
-                self.create(name, target)
+                self.create(name, target, resources)
             except ModeUnavailableError:
                 continue
             names.append(name)
@@ -165,7 +184,7 @@ class NoDrafter(Drafter):
 
 
 @DRAFTERS.register("ar", "plain autoregressive decoding, the reference")
-def _make_ar(target: TargetModel, options: dict[str, str]) -> Drafter:
+def _make_ar(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     return NoDrafter()
 
 

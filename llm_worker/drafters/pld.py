@@ -9,7 +9,14 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from llm_worker.drafters.base import DRAFTERS, DraftContext, Drafter, UnknownModeError, int_option
+from llm_worker.drafters.base import (
+    DRAFTERS,
+    DraftContext,
+    Drafter,
+    DraftResources,
+    UnknownModeError,
+    int_option,
+)
 from llm_worker.model.target import TargetModel
 from llm_worker.types import DraftTree
 
@@ -79,7 +86,7 @@ class PromptLookupDrafter(Drafter):
 @DRAFTERS.register(
     "pld", "prompt lookup: copy what followed the last n-gram's latest occurrence", ("min_n", "max_n")
 )
-def _make_pld(target: TargetModel, options: dict[str, str]) -> Drafter:
+def _make_pld(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     return PromptLookupDrafter(
         min_n=int_option(options, "min_n", 1, 1, 16), max_n=int_option(options, "max_n", 3, 1, 16)
     )

@@ -24,6 +24,7 @@ from llm_worker.drafters.base import (
     DRAFTERS,
     DraftContext,
     Drafter,
+    DraftResources,
     ModeUnavailableError,
     float_option,
     int_option,
@@ -150,7 +151,7 @@ def default_hidden_layer(target: TargetModel) -> int:
     "PLD+: occurrences of the last token ranked by hidden-state similarity",
     ("layer", "theta", "branches"),
 )
-def _make_pld_h(target: TargetModel, options: dict[str, str]) -> Drafter:
+def _make_pld_h(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     layer = int_option(options, "layer", default_hidden_layer(target), 0, target.info.num_layers)
     branches = int_option(options, "branches", 1, 1, 16)
     return HiddenStateDrafter(layer, float_option(options, "theta", None), branches)
@@ -161,7 +162,7 @@ def _make_pld_h(target: TargetModel, options: dict[str, str]) -> Drafter:
     "PLD+: occurrences of the last token ranked by induction-head attention",
     ("heads", "theta", "file", "branches"),
 )
-def _make_pld_a(target: TargetModel, options: dict[str, str]) -> Drafter:
+def _make_pld_a(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     if not target.supports_queries:
         raise ModeUnavailableError(
             f"pld+a reads per-head attention, which the {target.info.backend} backend does not expose; "

@@ -1,0 +1,70 @@
+"""Corpus files: JSONL of ``{"text"}``, ``{"prompt", "response"}`` or chat ``{"messages"}``.
+
+Chat-shaped records are rendered with the tokenizer's chat template, so the datastore holds the
+token sequences the model sees when it serves chat requests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class CorpusError(ValueError):
+    """A corpus line that is not one of the accepted shapes; the message names file and line."""
+
+
+def _messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise CorpusError(f"{where}: messages must be a non-empty list")
+    out = []
+    for m in messages:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise CorpusError(f"{where}: each message needs string role and content")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def record_text(record: object, tokenizer: Any, where: str) -> str:
+    """The document text of one corpus record."""
+    if not isinstance(record, dict):
+        raise CorpusError(f"{where}: expected a JSON object")
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise CorpusError(f"{where}: text must be a string")
+        return record["text"]
+    if "messages" in record:
+        messages = _messages(record, where)
+    elif "prompt" in record and "response" in record:
+        if not isinstance(record["prompt"], str) or not isinstance(record["response"], str):
+            raise CorpusError(f"{where}: prompt and response must be strings")
+        messages = [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": record["response"]},
+        ]
+    else:
+        raise CorpusError(f'{where}: expected "text", "prompt" + "response", or "messages"')
+    if getattr(tokenizer, "chat_template", None):
+        return str(tokenizer.apply_chat_template(messages, tokenize=False))
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def read_documents(path: str | Path, tokenizer: Any) -> Iterator[str]:
+    """Document texts of a JSONL corpus, in file order (blank lines skipped)."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CorpusError(f"{where}: not JSON ({exc.msg})") from None
+            yield record_text(record, tokenizer, where)

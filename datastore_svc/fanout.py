@@ -1,0 +1,108 @@
+"""The worker's client of remote shards: fan out to every shard at once, merge, tolerate loss.
+
+Each shard gets the same Retrieve call with its own deadline (default 20 ms). A shard that fails,
+is slow or is down is treated as missing and the others' candidates are merged; with none, the
+step drafts nothing. Nothing here can fail a generation.
+
+Versions: a request's first retrieval is answered by whatever version the shards serve; the
+version most of them answered with is returned and the caller pins later calls to it (during a
+swap shards may briefly disagree — answers of another version are dropped, never mixed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from client.stubs import datastore_pb2, datastore_pb2_grpc
+from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge
+
+log = logging.getLogger(__name__)
+
+
+def from_response(resp: datastore_pb2.RetrieveResponse) -> Retrieval:
+    candidates = []
+    for c in resp.candidates:
+        counts = tuple(c.prefix_counts) or (c.count,) * len(c.tokens)
+        source = Source(c.source.shard, c.source.document, c.source.offset) if c.HasField("source") else None
+        candidates.append(Candidate(tuple(c.tokens), counts, source))
+    return Retrieval(tuple(candidates), resp.match_length, resp.occurrences, resp.sampled)
+
+
+class RemoteDatastore:
+    """The ``Retriever`` protocol over shard servers at ``addresses`` (one per shard)."""
+
+    def __init__(self, addresses: Sequence[str], deadline: float = 0.02) -> None:
+        if not addresses:
+            raise ValueError("no datastore shard address given")
+        self.addresses = list(addresses)
+        self.deadline = deadline
+        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
+        self._stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in self._channels]
+        self.failures: Counter[str] = Counter()  # per address: calls that failed or timed out
+
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
+        request = datastore_pb2.RetrieveRequest(
+            context=[int(t) for t in context[-cfg.c_max :]],
+            max_candidates=cfg.max_candidates,
+            max_length=cfg.max_length,
+            min_match=cfg.c_min,
+            max_occurrences=cfg.max_occurrences,
+            max_nodes=cfg.max_nodes,
+            version=version,
+        )
+        calls = [stub.Retrieve.future(request, timeout=self.deadline) for stub in self._stubs]
+        answers: list[datastore_pb2.RetrieveResponse] = []
+        for address, call in zip(self.addresses, calls, strict=True):
+            try:
+                answers.append(call.result())
+            except grpc.RpcError as exc:
+                self.failures[address] += 1
+                log.debug("shard %s missing this step: %s", address, exc.code())
+        if not answers:
+            return Retrieval((), 0, 0, 0), version
+        chosen = version or Counter(a.version for a in answers).most_common(1)[0][0]
+        results = [from_response(a) for a in answers if a.version == chosen]
+        return merge(results, cfg.max_nodes, cfg.max_candidates), chosen
+
+    def info(self, timeout: float = 5.0) -> list[datastore_pb2.ShardInfo]:
+        return [stub.GetShardInfo(datastore_pb2.ShardInfoRequest(), timeout=timeout) for stub in self._stubs]
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+
+def swap_all(addresses: Sequence[str], version: str, timeout: float = 600.0) -> list[tuple[str, str]]:
+    """Two phases over every shard: load ``version`` everywhere, then make it current everywhere.
+
+    If any shard cannot load it, nothing is swapped (the error says which shard and why).
+    Returns (previous, current) per shard.
+    """
+    channels = [grpc.insecure_channel(a) for a in addresses]
+    try:
+        stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in channels]
+        loads = [
+            s.LoadVersion.future(datastore_pb2.LoadVersionRequest(path=version), timeout=timeout)
+            for s in stubs
+        ]
+        names = []
+        for address, call in zip(addresses, loads, strict=True):
+            try:
+                names.append(call.result().version)
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"shard {address} refused version {version!r}: {exc.details()}") from None
+        if len(set(names)) != 1:
+            raise RuntimeError(f"shards loaded different versions: {names}")
+        swapped = []
+        for stub in stubs:
+            resp = stub.SwapVersion(datastore_pb2.SwapVersionRequest(version=names[0]), timeout=30)
+            swapped.append((resp.previous, resp.current))
+        return swapped
+    finally:
+        for channel in channels:
+            channel.close()

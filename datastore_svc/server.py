@@ -1,0 +1,251 @@
+"""A datastore shard as a gRPC server: a thin ``grpc.aio`` servicer over ``ShardState``.
+
+Retrieve (sparse), GetShardInfo, and the admin calls LoadVersion / SwapVersion; the standard
+health service and server reflection; Prometheus metrics on an HTTP port. Bad input gets
+INVALID_ARGUMENT, an unknown version NOT_FOUND, a version that cannot be loaded
+FAILED_PRECONDITION — and the shard keeps serving its current version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from client.stubs import datastore_pb2, datastore_pb2_grpc
+from datastore_svc.retrieval import Retrieval, RetrievalConfig
+from datastore_svc.shard import ShardState, VersionNotLoaded
+from datastore_svc.store import DatastoreError
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = datastore_pb2.DESCRIPTOR.services_by_name["Datastore"].full_name
+MAX_CONTEXT = 1024
+MAX_LENGTH = 256
+MAX_CANDIDATES = 1024
+MAX_OCCURRENCES = 100_000
+
+
+@dataclass(frozen=True)
+class ShardServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50061  # 0 = a free port
+    metrics_port: int | None = None
+    grace_seconds: float = 10.0
+    defaults: RetrievalConfig = field(default_factory=RetrievalConfig)
+    """N and max_nodes when a request leaves them 0."""
+
+
+@dataclass
+class ShardMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "specdraft_datastore_requests",
+            "Datastore calls by method and status",
+            ["method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "specdraft_datastore_retrieve_seconds",
+            "Retrieve latency inside the shard",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
+            registry=r,
+        )
+        self.candidates = Histogram(
+            "specdraft_datastore_candidates",
+            "Candidates returned",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.tokens = Gauge("specdraft_datastore_tokens", "Tokens in the current version's shard", registry=r)
+        self.swaps = Counter("specdraft_datastore_swaps", "Version swaps", registry=r)
+
+    def serve(self, port: int, host: str) -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
+
+
+def retrieval_config(msg: datastore_pb2.RetrieveRequest, defaults: RetrievalConfig) -> RetrievalConfig:
+    """The request's retrieval shape, checked; ValueError names the bad field."""
+    if not msg.context:
+        raise ValueError("context is empty (sparse retrieval needs the last context tokens)")
+    if len(msg.context) > MAX_CONTEXT:
+        raise ValueError(f"context has {len(msg.context)} tokens; at most {MAX_CONTEXT}")
+    if msg.max_length > MAX_LENGTH or msg.max_candidates > MAX_CANDIDATES or msg.max_nodes > MAX_CANDIDATES:
+        raise ValueError(f"max_length ≤ {MAX_LENGTH}, max_candidates and max_nodes ≤ {MAX_CANDIDATES}")
+    if msg.max_occurrences > MAX_OCCURRENCES:
+        raise ValueError(f"max_occurrences ≤ {MAX_OCCURRENCES}")
+    c_min = max(1, msg.min_match)
+    if c_min > len(msg.context):
+        raise ValueError(f"min_match {c_min} exceeds the context length {len(msg.context)}")
+    return RetrievalConfig(
+        c_min=c_min,
+        c_max=len(msg.context),
+        max_occurrences=msg.max_occurrences or defaults.max_occurrences,
+        max_length=msg.max_length or defaults.max_length,
+        max_nodes=msg.max_nodes or defaults.max_nodes,
+        max_candidates=msg.max_candidates or defaults.max_candidates,
+    )
+
+
+def to_response(result: Retrieval, version: str) -> datastore_pb2.RetrieveResponse:
+    resp = datastore_pb2.RetrieveResponse(
+        version=version,
+        match_length=result.match_length,
+        occurrences=result.occurrences,
+        sampled=result.sampled,
+    )
+    for cand in result.candidates:
+        msg = resp.candidates.add(tokens=cand.tokens, count=cand.count, prefix_counts=cand.counts)
+        msg.score = cand.count / max(result.sampled, 1)
+        if cand.source is not None:
+            msg.source.shard = cand.source.shard
+            msg.source.document = cand.source.document
+            msg.source.offset = cand.source.offset
+    return resp
+
+
+class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
+    def __init__(self, state: ShardState, cfg: ShardServerConfig, metrics: ShardMetrics) -> None:
+        self.state = state
+        self.cfg = cfg
+        self.metrics = metrics
+        self.draining = False
+
+    async def Retrieve(self, request: Any, context: Any) -> datastore_pb2.RetrieveResponse:
+        t0 = time.perf_counter()
+        if self.draining:
+            await self._abort(context, "Retrieve", grpc.StatusCode.UNAVAILABLE, "the shard is shutting down")
+        try:
+            cfg = retrieval_config(request, self.cfg.defaults)
+            store = self.state.version(request.version)
+        except ValueError as exc:
+            await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except VersionNotLoaded as exc:
+            await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
+        tokens = np.asarray(request.context, dtype=np.int64)
+        separator = int(store.manifest["separator"])
+        if tokens.min() < 0 or tokens.max() >= separator:
+            message = f"context token ids must lie in [0, {separator})"
+            await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, message)
+        try:
+            result, version = self.state.retrieve(tokens, cfg, store.version)
+        except VersionNotLoaded as exc:  # released between the lookup and now
+            await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
+        self.metrics.latency.observe(time.perf_counter() - t0)
+        self.metrics.candidates.observe(len(result.candidates))
+        self.metrics.requests.labels("Retrieve", "OK").inc()
+        return to_response(result, version)
+
+    async def GetShardInfo(self, request: Any, context: Any) -> datastore_pb2.ShardInfo:
+        current = self.state.current
+        self.metrics.requests.labels("GetShardInfo", "OK").inc()
+        return datastore_pb2.ShardInfo(
+            shard=self.state.index,
+            shards=current.num_shards,
+            version=current.version,
+            tokenizer=str(current.manifest["tokenizer"].get("fingerprint", "")),
+            model=str(current.manifest.get("model", "")),
+            tokens=current.tokens,
+            loaded_versions=self.state.loaded_versions(),
+        )
+
+    async def LoadVersion(self, request: Any, context: Any) -> datastore_pb2.LoadVersionResponse:
+        if not request.path:
+            await self._abort(context, "LoadVersion", grpc.StatusCode.INVALID_ARGUMENT, "path is empty")
+        try:
+            name = await asyncio.to_thread(self.state.load, request.path)
+        except DatastoreError as exc:
+            await self._abort(context, "LoadVersion", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.info("shard %d loaded version %s", self.state.index, name)
+        self.metrics.requests.labels("LoadVersion", "OK").inc()
+        return datastore_pb2.LoadVersionResponse(version=name)
+
+    async def SwapVersion(self, request: Any, context: Any) -> datastore_pb2.SwapVersionResponse:
+        try:
+            previous, current = self.state.swap(request.version)
+        except VersionNotLoaded as exc:
+            await self._abort(context, "SwapVersion", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.info("shard %d swapped %s -> %s", self.state.index, previous, current)
+        self.metrics.swaps.inc()
+        self.metrics.tokens.set(self.state.current.tokens)
+        self.metrics.requests.labels("SwapVersion", "OK").inc()
+        return datastore_pb2.SwapVersionResponse(previous=previous, current=current)
+
+    async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.requests.labels(method, code.name).inc()
+        await context.abort(code, message)
+
+
+class ShardServer:
+    def __init__(
+        self, state: ShardState, cfg: ShardServerConfig, metrics: ShardMetrics | None = None
+    ) -> None:
+        self.state = state
+        self.cfg = cfg
+        self.metrics = metrics or ShardMetrics()
+        self.metrics.tokens.set(state.current.tokens)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.servicer = DatastoreServicer(state, cfg, self.metrics)
+        datastore_pb2_grpc.add_DatastoreServicer_to_server(self.servicer, self.server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.server)
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    async def start(self) -> int:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
+        await self.server.start()
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.cfg.grace_seconds if grace is None else grace)
+
+
+def serve_forever(
+    state: ShardState, cfg: ShardServerConfig, ready: Callable[[int], None] | None = None
+) -> None:
+    """Run until SIGTERM / SIGINT, then drain."""
+
+    async def main() -> None:
+        server = ShardServer(state, cfg)
+        port = await server.start()
+        if ready is not None:
+            ready(port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())

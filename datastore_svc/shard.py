@@ -1,0 +1,99 @@
+"""One shard's versions: the current one, the ones loaded beside it, atomic swaps, draining.
+
+``retrieve`` answers from the requested version (or the current one) and reports which version
+answered. ``load`` opens another version of the same shard (checksums verified, tokenizer checked)
+next to the current one without disturbing it; ``swap`` makes a loaded version current in one
+assignment. The previous version stays loaded for ``drain_seconds`` so that requests pinned to
+it (a generation keeps the version of its first retrieval) finish on it; then it is released.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from datastore_svc.retrieval import Retrieval, RetrievalConfig
+from datastore_svc.store import DatastoreError, DatastoreVersion
+
+
+class VersionNotLoaded(LookupError):
+    """A request named a version this shard does not hold (never loaded, or released)."""
+
+
+class ShardState:
+    def __init__(self, version: DatastoreVersion, index: int, drain_seconds: float = 60.0) -> None:
+        self.index = index
+        self.drain_seconds = drain_seconds
+        self._lock = threading.Lock()
+        self.current = version
+        self._loaded: dict[str, DatastoreVersion] = {version.version: version}
+        self._release_at: dict[str, float] = {}
+
+    @staticmethod
+    def open(path: str | Path, index: int, verify: bool = True, drain_seconds: float = 60.0) -> ShardState:
+        return ShardState(DatastoreVersion(path, shards=[index], verify=verify), index, drain_seconds)
+
+    @property
+    def versions_root(self) -> Path:
+        return self.current.path.parent
+
+    def loaded_versions(self) -> list[str]:
+        with self._lock:
+            self._release_drained()
+            return sorted(self._loaded)
+
+    def _release_drained(self) -> None:
+        now = time.monotonic()
+        for name, when in list(self._release_at.items()):
+            if now >= when and name != self.current.version:
+                self._loaded.pop(name, None)
+                del self._release_at[name]
+
+    def version(self, name: str = "") -> DatastoreVersion:
+        with self._lock:
+            self._release_drained()
+            if not name:
+                return self.current
+            found = self._loaded.get(name)
+        if found is None:
+            raise VersionNotLoaded(f"shard {self.index} does not hold version {name!r}")
+        return found
+
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
+        store = self.version(version)
+        return store.retrieve(context, cfg), store.version
+
+    def load(self, path: str) -> str:
+        """Open a version of this shard beside the current one; its name. Errors leave all as is."""
+        target = Path(path)
+        if not target.is_absolute() and len(target.parts) == 1:
+            target = self.versions_root / target
+        fingerprint = self.current.manifest["tokenizer"].get("fingerprint")
+        new = DatastoreVersion(target, shards=[self.index], tokenizer_fingerprint=fingerprint)
+        if new.num_shards != self.current.num_shards:
+            raise DatastoreError(
+                f"{target} has {new.num_shards} shards, the serving version {self.current.num_shards}"
+            )
+        with self._lock:
+            existing = self._loaded.get(new.version)
+            if existing is not None and existing.path != new.path:
+                raise DatastoreError(f"another version named {new.version!r} is loaded from {existing.path}")
+            self._loaded[new.version] = new
+            self._release_at.pop(new.version, None)
+        return new.version
+
+    def swap(self, name: str) -> tuple[str, str]:
+        """Make the loaded version ``name`` current: (previous, current)."""
+        with self._lock:
+            new = self._loaded.get(name)
+            if new is None:
+                raise VersionNotLoaded(f"version {name!r} is not loaded on shard {self.index}: load it first")
+            previous = self.current
+            self.current = new
+            self._release_at.pop(name, None)
+            if previous.version != name:
+                self._release_at[previous.version] = time.monotonic() + self.drain_seconds
+        return previous.version, name

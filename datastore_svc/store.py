@@ -1,0 +1,367 @@
+"""Datastore versions on disk: build (atomic), open (checksums verified, memory-mapped), retrieve.
+
+A version is an immutable directory::
+
+    VERSION/
+      manifest.json          format, version name, tokenizer identity, sizes, checksums, build
+      shard-0000/tokens.npy  [n] int32  documents' token ids, each followed by the separator
+      shard-0000/sa.npy      [n] int32  suffix array of tokens
+      shard-0000/bucket.npy  [separator + 2] int64  first suffix-array index of each token value
+      shard-0000/docs.npy    [documents] int64  where each document starts in tokens
+      shard-0001/...
+
+A build writes everything into a hidden temporary directory beside ``VERSION`` and renames it
+into place last, so a crashed build never leaves a half-written version; an existing version is
+never overwritten. Opening a version checks the format, every file's size and SHA-256, the
+arrays' shapes and (when asked) that the tokenizer is the one the caller uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from datastore_svc.corpus import read_documents
+from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
+from datastore_svc.suffix import SA_LIBRARY, build_buckets, build_suffix_array
+
+FORMAT = "specdraft-datastore"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ARRAYS = ("tokens", "sa", "bucket", "docs")
+
+
+class DatastoreError(Exception):
+    """A datastore version that cannot be used: missing, corrupt, partial or mismatched."""
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """Name, size and a fingerprint of the vocabulary (token → id) and special tokens."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    digest = hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()
+    name = Path(str(getattr(tokenizer, "name_or_path", "") or "unknown")).name
+    return {"name": name, "vocab_size": len(tokenizer), "fingerprint": digest[:16]}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def shard_dir(index: int) -> str:
+    return f"shard-{index:04d}"
+
+
+# -- build ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    path: Path
+    version: str
+    documents: int
+    tokens: int
+    seconds: dict[str, float]  # tokenize, suffix_array, write
+    bytes: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes / max(self.tokens, 1)
+
+
+def tokenize_documents(
+    texts: Iterable[str], tokenizer: Any, batch: int = 256, progress: Callable[[int], None] | None = None
+) -> list[np.ndarray]:
+    """Token ids of each document (no special tokens added; chat templates carry their own)."""
+    docs: list[np.ndarray] = []
+    pending: list[str] = []
+
+    def flush() -> None:
+        if pending:
+            for ids in tokenizer(pending, add_special_tokens=False)["input_ids"]:
+                if ids:
+                    docs.append(np.asarray(ids, dtype=np.int32))
+            if progress is not None:
+                progress(len(pending))
+            pending.clear()
+
+    for text in texts:
+        pending.append(text)
+        if len(pending) >= batch:
+            flush()
+    flush()
+    return docs
+
+
+def assign_shards(lengths: Sequence[int], shards: int) -> list[list[int]]:
+    """Documents to shards, longest first onto the lightest shard (balanced token counts)."""
+    loads = [0] * shards
+    members: list[list[int]] = [[] for _ in range(shards)]
+    for doc in sorted(range(len(lengths)), key=lambda d: -lengths[d]):
+        s = loads.index(min(loads))
+        members[s].append(doc)
+        loads[s] += lengths[doc] + 1
+    return [sorted(m) for m in members]
+
+
+def shard_arrays(docs: Sequence[np.ndarray], separator: int) -> dict[str, np.ndarray]:
+    """tokens / sa / bucket / docs of one shard (see the module docstring)."""
+    lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
+    starts = np.zeros(len(docs), dtype=np.int64)
+    if len(docs):
+        np.cumsum(lengths[:-1], out=starts[1:])
+    tokens = np.full(int(lengths.sum()), separator, dtype=np.int32)
+    for start, doc in zip(starts, docs, strict=True):
+        tokens[start : start + len(doc)] = doc
+    sa = build_suffix_array(tokens)
+    return {"tokens": tokens, "sa": sa, "bucket": build_buckets(tokens, sa, separator + 1), "docs": starts}
+
+
+def build(
+    corpus: str | Path,
+    tokenizer: Any,
+    out: str | Path,
+    shards: int = 1,
+    model_name: str = "",
+    progress: bool = True,
+) -> BuildReport:
+    """Build a new version at ``out`` from a JSONL corpus (see ``datastore_svc.corpus``)."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    _check_new(out, shards)
+    t0 = time.perf_counter()
+    with tqdm(desc="tokenize", unit="doc", disable=not progress) as bar:
+        docs = tokenize_documents(read_documents(corpus, tokenizer), tokenizer, progress=bar.update)
+    if not docs:
+        raise DatastoreError(f"{corpus}: no documents")
+    tokenize_seconds = time.perf_counter() - t0
+    source = {"corpus": str(corpus), "corpus_sha256": sha256_file(Path(corpus))}
+    report = write_version(
+        docs, out, len(tokenizer), tokenizer_identity(tokenizer), shards, model_name, source, progress
+    )
+    report.seconds["tokenize"] = tokenize_seconds
+    return report
+
+
+def _check_new(out: Path, shards: int) -> None:
+    if shards < 1:
+        raise DatastoreError("--shards must be at least 1")
+    if out.exists():
+        raise DatastoreError(f"{out} exists: versions are immutable, build into a new directory")
+
+
+def write_version(
+    docs: Sequence[np.ndarray],
+    out: str | Path,
+    separator: int,
+    tokenizer: dict[str, Any],
+    shards: int = 1,
+    model_name: str = "",
+    source: dict[str, Any] | None = None,
+    progress: bool = False,
+) -> BuildReport:
+    """Write token documents as a new version at ``out``: temporary directory, then one rename.
+
+    ``separator`` must exceed every token id (the tokenizer's size); ``tokenizer`` is its
+    identity (``tokenizer_identity``).
+    """
+    from tqdm import tqdm
+
+    out = Path(out)
+    _check_new(out, shards)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    seconds = {"suffix_array": 0.0, "write": 0.0}
+    try:
+        groups = assign_shards([len(d) for d in docs], shards)
+        manifest_shards = []
+        total_bytes = 0
+        bar = tqdm(groups, desc="suffix arrays", unit="shard", disable=not progress)
+        for index, members in enumerate(bar):
+            t1 = time.perf_counter()
+            arrays = shard_arrays([docs[d] for d in members], separator)
+            t2 = time.perf_counter()
+            sdir = tmp / shard_dir(index)
+            sdir.mkdir(parents=True)
+            files = {}
+            for name in ARRAYS:
+                path = sdir / f"{name}.npy"
+                np.save(path, arrays[name])
+                files[f"{name}.npy"] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+                total_bytes += path.stat().st_size
+            seconds["write"] += time.perf_counter() - t2
+            seconds["suffix_array"] += t2 - t1
+            manifest_shards.append(
+                {"index": index, "tokens": len(arrays["tokens"]), "documents": len(members), "files": files}
+            )
+        num_tokens = int(sum(len(d) for d in docs))
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "version": out.name,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "tokenizer": tokenizer,
+            "model": model_name,
+            "separator": int(separator),
+            "documents": len(docs),
+            "tokens": num_tokens,
+            "shards": manifest_shards,
+            "build": {
+                **(source or {}),
+                "sa_library": _library_version(),
+                "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            },
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        os.rename(tmp, out)  # the version appears whole, or not at all
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BuildReport(out, out.name, len(docs), num_tokens, seconds, total_bytes)
+
+
+def _library_version() -> str:
+    from importlib.metadata import version
+
+    return f"{SA_LIBRARY} {version(SA_LIBRARY)}"
+
+
+# -- open -------------------------------------------------------------------------------------------
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise DatastoreError(f"{path} is not a datastore version directory")
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise DatastoreError(f"{path} has no {MANIFEST} (a partial or foreign directory)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DatastoreError(f"{file} is corrupt: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DatastoreError(f"{file} is not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DatastoreError(
+            f"{file}: format version {manifest.get('format_version')} (this build reads {FORMAT_VERSION})"
+        )
+    for key in ("version", "tokenizer", "separator", "shards"):
+        if key not in manifest:
+            raise DatastoreError(f"{file} lacks {key!r}")
+    return manifest
+
+
+@dataclass
+class Shard:
+    """One shard's arrays, memory-mapped."""
+
+    index: int
+    tokens: np.ndarray  # [n] int32
+    sa: np.ndarray  # [n] int32
+    bucket: np.ndarray  # [separator + 2] int64
+    docs: np.ndarray  # [documents] int64
+    separator: int
+
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig) -> Retrieval:
+        return retrieve(
+            self.tokens, self.sa, self.bucket, self.separator, context, cfg, self.docs, self.index
+        )
+
+
+def open_shard(path: Path, manifest: dict[str, Any], index: int, verify: bool = True) -> Shard:
+    entries = {s.get("index"): s for s in manifest["shards"] if isinstance(s, dict)}
+    if index not in entries:
+        raise DatastoreError(f"{path}: no shard {index} (the version has {len(entries)})")
+    entry = entries[index]
+    sdir = path / shard_dir(index)
+    arrays: dict[str, np.ndarray] = {}
+    for name in ARRAYS:
+        file = sdir / f"{name}.npy"
+        expected = entry.get("files", {}).get(f"{name}.npy")
+        if expected is None:
+            raise DatastoreError(f"{path}: the manifest lists no {file.name} for shard {index}")
+        if not file.exists():
+            raise DatastoreError(f"{file} is missing (a partial version)")
+        if file.stat().st_size != expected["bytes"]:
+            raise DatastoreError(
+                f"{file}: {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
+            )
+        if verify and sha256_file(file) != expected["sha256"]:
+            raise DatastoreError(f"{file}: checksum mismatch (corrupt)")
+        try:
+            arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise DatastoreError(f"{file} is not a readable array: {exc}") from None
+    separator = int(manifest["separator"])
+    n = int(entry.get("tokens", -1))
+    tokens, sa, bucket = arrays["tokens"], arrays["sa"], arrays["bucket"]
+    if tokens.shape != (n,) or sa.shape != (n,) or bucket.shape != (separator + 2,):
+        raise DatastoreError(f"{sdir}: array shapes disagree with the manifest")
+    if tokens.dtype != np.int32 or sa.dtype != np.int32:
+        raise DatastoreError(f"{sdir}: tokens and sa must be int32")
+    return Shard(index, tokens, sa, bucket, arrays["docs"], separator)
+
+
+class DatastoreVersion:
+    """A version opened for retrieval: all its shards (in process) or some (a shard server)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        shards: Iterable[int] | None = None,
+        verify: bool = True,
+        tokenizer_fingerprint: str | None = None,
+    ) -> None:
+        self.path = Path(path).resolve()
+        t0 = time.perf_counter()
+        self.manifest = read_manifest(self.path)
+        found = self.manifest["tokenizer"].get("fingerprint")
+        if tokenizer_fingerprint is not None and found != tokenizer_fingerprint:
+            raise DatastoreError(
+                f"{self.path} was built with another tokenizer ({self.manifest['tokenizer'].get('name')}, "
+                f"fingerprint {found}; this model's is {tokenizer_fingerprint})"
+            )
+        indexes = list(range(self.num_shards)) if shards is None else list(shards)
+        self.shards = [open_shard(self.path, self.manifest, i, verify) for i in indexes]
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest["version"])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest["shards"])
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.shards)
+
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig) -> Retrieval:
+        results = [s.retrieve(context, cfg) for s in self.shards]
+        return merge(results, cfg.max_nodes, cfg.max_candidates)
+
+
+class LocalRetriever:
+    """The embedded datastore: every shard of one version, in this process (the ``Retriever`` protocol)."""
+
+    def __init__(self, version: DatastoreVersion) -> None:
+        self.current = version
+
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
+        return self.current.retrieve(context, cfg), self.current.version

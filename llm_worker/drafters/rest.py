@@ -1,0 +1,105 @@
+"""``rest``: drafts retrieved from a datastore (REST), verified as one token tree.
+
+The datastore (in process, or shards over gRPC) matches the longest suffix of the context in its
+corpus and returns the most frequent continuations with the count of every prefix; they merge
+into a draft tree whose nodes carry an acceptance feature (match length × frequency share), so
+the planner learns how often each kind of node is accepted and trims the tree to what pays on
+this machine.
+
+A request is pinned to the datastore version that answered its first retrieval (a swap during
+the request does not mix versions); a datastore that fails or is slow costs drafts, never the
+generation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from datastore_svc.retrieval import Retrieval, RetrievalConfig
+from llm_worker.drafters.base import (
+    DRAFTERS,
+    DraftContext,
+    Drafter,
+    DraftResources,
+    ModeUnavailableError,
+    Retriever,
+    int_option,
+)
+from llm_worker.model.target import TargetModel
+from llm_worker.types import DraftTree
+
+log = logging.getLogger(__name__)
+VERSION_KEY = "datastore_version"
+
+
+def _bucket(value: float, bounds: tuple[float, ...]) -> str:
+    for bound in bounds:
+        if value <= bound:
+            return f"{bound:g}"
+    return "max"
+
+
+def node_features(result: Retrieval) -> list[list[str]]:
+    """Per candidate, per token: ``rest:c<match length>:p<share of occurrences>``."""
+    total = max(result.sampled, 1)
+    match = _bucket(result.match_length, (1, 2, 4, 8))
+    return [
+        [f"rest:c{match}:p{_bucket(n / total, (0.05, 0.15, 0.3, 0.6, 0.9))}" for n in cand.counts]
+        for cand in result.candidates
+    ]
+
+
+def candidates_tree(result: Retrieval) -> DraftTree:
+    """The candidates merged into one tree (shared prefixes once)."""
+    if not result.candidates:
+        return DraftTree.empty()
+    return DraftTree.from_sequences([c.tokens for c in result.candidates], features=node_features(result))
+
+
+class RestDrafter(Drafter):
+    def __init__(self, retriever: Retriever, cfg: RetrievalConfig) -> None:
+        self.retriever = retriever
+        self.cfg = cfg
+
+    def retrieve(self, ctx: DraftContext) -> Retrieval | None:
+        pinned = str(ctx.request_state.get(VERSION_KEY, ""))
+        context = ctx.tokens[-self.cfg.c_max :]
+        try:
+            result, version = self.retriever.retrieve(context, self.cfg, pinned)
+        except Exception as exc:  # a datastore problem costs drafts, never the generation
+            log.warning("datastore retrieval failed, drafting nothing this step: %s", exc)
+            return None
+        if version and not pinned:
+            ctx.request_state[VERSION_KEY] = version
+        return result
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        result = self.retrieve(ctx)
+        return candidates_tree(result) if result is not None else DraftTree.empty()
+
+
+def retrieval_config(options: dict[str, str]) -> RetrievalConfig:
+    return RetrievalConfig(
+        c_min=int_option(options, "c_min", 1, 1, 64),
+        c_max=int_option(options, "c_max", 16, 1, 64),
+        max_occurrences=int_option(options, "n", 256, 1, 100_000),
+        max_length=int_option(options, "l", 16, 1, 128),
+        max_nodes=int_option(options, "nodes", 64, 1, 1024),
+        max_candidates=int_option(options, "d", 32, 1, 1024),
+    )
+
+
+REST_OPTIONS = ("c_min", "c_max", "n", "l", "nodes", "d")
+
+
+def _retriever(resources: DraftResources) -> Retriever:
+    if resources.retriever is None:
+        raise ModeUnavailableError("needs a datastore (--datastore DIR or --datastore-addr HOST:PORT,...)")
+    return resources.retriever
+
+
+@DRAFTERS.register(
+    "rest", "REST: continuations of the longest context suffix in a datastore, as a token tree", REST_OPTIONS
+)
+def _make_rest(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
+    return RestDrafter(_retriever(resources), retrieval_config(options))

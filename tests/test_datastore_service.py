@@ -1,0 +1,261 @@
+"""Datastore shards as real gRPC servers on loopback: retrieval, validation, fan-out under shard
+loss, version swaps under load, refusal of bad versions, and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from conftest import assert_greedy_identical, engine_for, greedy_tokens, tiny_target
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_lossless_tiny import FLAT_CURVE, prompts
+from test_rest import datastore_for, rest_engine
+
+from client.cli import main
+from client.stubs import datastore_pb2, datastore_pb2_grpc
+from datastore_svc.fanout import RemoteDatastore, swap_all
+from datastore_svc.retrieval import RetrievalConfig
+from datastore_svc.server import ShardServer, ShardServerConfig
+from datastore_svc.shard import ShardState
+from datastore_svc.store import DatastoreVersion, write_version
+from llm_worker.engine import GenerationRequest
+
+VOCAB = 96
+IDENTITY = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
+
+
+class ShardThread:
+    """A ShardServer on its own event loop in a background thread."""
+
+    def __init__(self, state: ShardState) -> None:
+        self.state = state
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def make() -> ShardServer:
+            server = ShardServer(state, ShardServerConfig(port=0))
+            await server.start()
+            return server
+
+        self.server = asyncio.run_coroutine_threadsafe(make(), self.loop).result(30)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class SlowShard(ShardState):
+    """Answers, but only after ``delay`` seconds — past any sensible deadline."""
+
+    delay = 0.5
+
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> Any:
+        time.sleep(self.delay)
+        return super().retrieve(context, cfg, version)
+
+
+def random_docs(seed: int, count: int = 30) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 6, size=50).astype(np.int32) for _ in range(count)]  # few symbols: many matches
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("versions")
+    write_version(random_docs(1), root / "v1", VOCAB, IDENTITY, shards=2)
+    write_version(random_docs(2), root / "v2", VOCAB, IDENTITY, shards=2)
+    return root
+
+
+@pytest.fixture()
+def shards(versions: Path) -> Iterator[list[ShardThread]]:
+    servers = [ShardThread(ShardState.open(versions / "v1", i, drain_seconds=30)) for i in range(2)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+CFG = RetrievalConfig(c_max=8, max_length=6, max_nodes=40, max_candidates=40)
+
+
+def test_remote_retrieval_equals_in_process(shards: list[ShardThread], versions: Path) -> None:
+    local = DatastoreVersion(versions / "v1")
+    remote = RemoteDatastore([s.address for s in shards], deadline=5.0)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        context = rng.integers(0, 6, size=8)
+        got, version = remote.retrieve(context, CFG)
+        want = local.retrieve(context, CFG)
+        assert version == "v1" and got.match_length == want.match_length
+        assert sorted((c.tokens, c.counts) for c in got.candidates) == sorted(
+            (c.tokens, c.counts) for c in want.candidates
+        )
+    info = remote.info()
+    assert [(i.shard, i.shards, i.version) for i in info] == [(0, 2, "v1"), (1, 2, "v1")]
+    with grpc.insecure_channel(shards[0].address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize(
+    "request_kw,code",
+    [
+        ({"context": []}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"context": [1, 2, VOCAB + 7]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"context": [1, -2]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"context": [1] * 2000}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"context": [1, 2], "max_length": 10_000}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"context": [1, 2], "min_match": 5}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"context": [1, 2], "version": "v9"}, grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_bad_retrieve_requests_get_precise_statuses(
+    shards: list[ShardThread], request_kw: dict[str, Any], code: grpc.StatusCode
+) -> None:
+    with grpc.insecure_channel(shards[0].address) as channel:
+        stub = datastore_pb2_grpc.DatastoreStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Retrieve(datastore_pb2.RetrieveRequest(**request_kw), timeout=5)
+        assert err.value.code() == code
+        assert stub.Retrieve(datastore_pb2.RetrieveRequest(context=[1, 2]), timeout=5).version == "v1"
+
+
+def test_generation_survives_a_killed_and_a_slow_shard(tmp_path: Path) -> None:
+    """Three shards: one healthy, one killed, one past its deadline → identical to ar, still drafting."""
+    target = tiny_target("llama")
+    datastore_for(target, tmp_path / "v", shards=3)
+    states = [ShardState.open(tmp_path / "v", 0), ShardState.open(tmp_path / "v", 1)]
+    slow = SlowShard(DatastoreVersion(tmp_path / "v", shards=[2]), 2)
+    servers = [ShardThread(s) for s in (*states, slow)]
+    try:
+        servers[1].stop()  # killed: connection refused from now on
+        remote = RemoteDatastore([s.address for s in servers], deadline=0.1)
+        engine = rest_engine(target, remote, FLAT_CURVE)  # type: ignore[arg-type]
+        ref_engine = engine_for(target, FLAT_CURVE)
+        drafted = 0
+        for i, prompt in enumerate(prompts(VOCAB)):
+            ref = greedy_tokens(ref_engine, prompt, "ar", 40)
+            res = engine.generate(GenerationRequest(tuple(prompt), 40, "rest"))
+            assert_greedy_identical(target, prompt, ref, res.token_ids, f"shard loss/prompt{i}")
+            drafted += res.stats.drafted_tokens
+        assert drafted > 0  # the healthy shard still drafted
+        assert remote.failures[servers[1].address] > 0 and remote.failures[servers[2].address] > 0
+    finally:
+        for s in (servers[0], servers[2]):
+            s.stop()
+
+
+def test_swap_under_concurrent_load_never_mixes_versions(shards: list[ShardThread]) -> None:
+    addresses = [s.address for s in shards]
+    remote = RemoteDatastore(addresses, deadline=5.0)
+    stop = threading.Event()
+    seen: list[list[str]] = []
+
+    def request_loop(seed: int) -> int:
+        rng = np.random.default_rng(seed)
+        calls = 0
+        while not stop.is_set():
+            pinned = ""
+            versions = []
+            for _ in range(5):  # one "request": five retrievals pinned to the first answer's version
+                _, version = remote.retrieve(rng.integers(0, 6, size=6), CFG, pinned)
+                pinned = pinned or version
+                versions.append(version)
+                calls += 1
+            seen.append(versions)
+        return calls
+
+    with ThreadPoolExecutor(4) as pool:
+        loops = [pool.submit(request_loop, i) for i in range(4)]
+        time.sleep(0.5)
+        swapped = swap_all(addresses, "v2")
+        time.sleep(0.5)
+        stop.set()
+        calls = sum(f.result() for f in loops)  # raises if any call failed
+    assert swapped == [("v1", "v2"), ("v1", "v2")]
+    assert calls > 20 and sum(remote.failures.values()) == 0
+    assert all(len(set(v)) == 1 for v in seen), "a request mixed datastore versions"
+    assert {v[0] for v in seen} == {"v1", "v2"}
+    assert seen[-1][0] == "v2"
+    assert all(s.state.loaded_versions() == ["v1", "v2"] for s in shards)  # v1 drains for 30 s
+
+
+def test_bad_versions_are_refused_while_the_current_one_serves(
+    shards: list[ShardThread], versions: Path, tmp_path: Path
+) -> None:
+    addresses = [s.address for s in shards]
+    bad = tmp_path / "v-corrupt"
+    write_version(random_docs(3), bad, VOCAB, IDENTITY, shards=2)
+    sa = bad / "shard-0001" / "sa.npy"
+    data = bytearray(sa.read_bytes())
+    data[-1] ^= 0x55
+    sa.write_bytes(bytes(data))
+    other = tmp_path / "v-other-tokenizer"
+    write_version(random_docs(4), other, VOCAB, {**IDENTITY, "fingerprint": "other"}, shards=2)
+    partial = tmp_path / "v-partial"
+    partial.mkdir()
+    for path, reason in [(bad, "checksum"), (other, "another tokenizer"), (partial, "manifest")]:
+        with pytest.raises(RuntimeError, match=reason):
+            swap_all(addresses, str(path))
+    remote = RemoteDatastore(addresses, deadline=5.0)
+    _, version = remote.retrieve(np.array([1, 2, 3]), CFG)
+    assert version == "v1" and [i.version for i in remote.info()] == ["v1", "v1"]
+    with grpc.insecure_channel(addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            datastore_pb2_grpc.DatastoreStub(channel).SwapVersion(
+                datastore_pb2.SwapVersionRequest(version="never-loaded"), timeout=5
+            )
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_cli_build_info_serve_and_swap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) for i in range(40))
+    )
+    for name in ("a", "b"):
+        assert (
+            main(["datastore", "build", "--corpus", str(corpus), "--out", str(tmp_path / name), "--quiet"])
+            == 0
+        )
+        built = json.loads(capsys.readouterr().out)
+        assert built["version"] == name and built["tokens"] > 0 and built["bytes_per_token"] > 0
+    assert main(["datastore", "info", str(tmp_path / "a")]) == 0
+    assert json.loads(capsys.readouterr().out)["shards"] == 1
+    assert main(["datastore", "build", "--corpus", str(corpus), "--out", str(tmp_path / "a")]) == 2
+    assert "immutable" in capsys.readouterr().err
+
+    cmd = [sys.executable, "-m", "client.cli", "serve", "datastore", "--datastore", str(tmp_path / "a")]
+    proc = subprocess.Popen([*cmd, "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        address = ""
+        for line in proc.stderr:
+            if "listening on" in line:
+                address = line.rsplit(" ", 1)[-1].strip()
+                break
+        assert address, "the shard did not start"
+        assert main(["datastore", "swap", "--version", "b", "--datastore-addr", address]) == 0
+        assert f"{address}: a -> b" in capsys.readouterr().err
+        assert main(["datastore", "swap", "--version", "nope", "--datastore-addr", address]) == 2
+        assert "refused version" in capsys.readouterr().err
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,121 @@
+"""``rest`` against ``ar`` on tiny random models: greedy token equality and sampling in distribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_greedy_identical, engine_for, greedy_tokens, tiny_model, tiny_target
+from test_lossless_tiny import FLAT_CURVE, NEW, SAMPLES, VOCAB, chi_square_p, exact_distribution, prompts
+
+from datastore_svc.store import DatastoreVersion, LocalRetriever, write_version
+from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig, SamplingParams
+from llm_worker.drafters import DRAFTERS, DraftResources
+from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.model import wrap_model
+from llm_worker.model.target import TargetModel
+from llm_worker.planner import CostCurve
+
+
+def datastore_for(target: TargetModel, path: Path, shards: int = 2, extra: int = 8) -> LocalRetriever:
+    """A datastore of the model's own greedy continuations (in distribution) plus random documents."""
+    vocab = target.info.vocab_size
+    engine = engine_for(target, FLAT_CURVE)
+    rng = np.random.default_rng(1)
+    docs = []
+    for prompt in prompts(vocab)[:4]:
+        out = greedy_tokens(engine, prompt, "ar", 48)
+        docs.append(np.array(prompt + out, dtype=np.int32))
+    docs += [rng.integers(0, vocab, size=40).astype(np.int32) for _ in range(extra)]
+    identity = {"name": "tiny", "vocab_size": vocab, "fingerprint": "tiny"}
+    write_version(docs, path, vocab, identity, shards=shards)
+    return LocalRetriever(DatastoreVersion(path))
+
+
+def rest_engine(target: TargetModel, retriever: LocalRetriever, curve: CostCurve) -> Engine:
+    return Engine(
+        target, EngineConfig(planner=PlannerConfig()), curve=curve, resources=DraftResources(retriever)
+    )
+
+
+REST_MODES = ["rest", "rest:c_max=4:l=6:nodes=12", "rest:n=4:d=2"]
+
+
+CPU_CURVE = CostCurve.linear(0.05, 0.003)
+
+
+@pytest.mark.parametrize(
+    "kind,backend,curve",
+    [
+        ("llama", "fast", FLAT_CURVE),
+        ("llama", "fast", CPU_CURVE),
+        ("llama", "hf", CPU_CURVE),
+        ("gpt2", "hf", FLAT_CURVE),
+    ],
+    ids=["llama-fast-flat", "llama-fast-cpu", "llama-hf-cpu", "gpt2-hf-flat"],
+)
+def test_greedy_rest_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_path: Path) -> None:
+    target = tiny_target(kind, backend=backend)
+    engine = rest_engine(target, datastore_for(target, tmp_path / "v"), curve)
+    for i, prompt in enumerate(prompts(target.info.vocab_size)):
+        ref = greedy_tokens(engine, prompt, "ar", 64)
+        for mode in REST_MODES:
+            got = greedy_tokens(engine, prompt, mode, 64)
+            assert_greedy_identical(target, prompt, ref, got, f"{kind}/{backend}/{mode}/prompt{i}")
+
+
+def test_rest_drafts_accepts_and_reports_its_version(tmp_path: Path) -> None:
+    target = tiny_target("llama")
+    engine = rest_engine(target, datastore_for(target, tmp_path / "v7"), FLAT_CURVE)
+    prompt = prompts(target.info.vocab_size)[1]
+    res = engine.generate(GenerationRequest(tuple(prompt[:10]), 48, "rest"))
+    assert res.stats.drafted_tokens > 0 and res.stats.accepted_tokens > 0 and res.stats.tau > 1.5
+    assert res.datastore_version == "v7"
+    assert engine.generate(GenerationRequest(tuple(prompt[:10]), 8, "pld")).datastore_version == ""
+
+
+def test_rest_is_unavailable_without_a_datastore() -> None:
+    target = tiny_target("llama")
+    assert "rest" not in DRAFTERS.available(target)
+    with pytest.raises(ValueError, match="needs a datastore"):
+        engine_for(target).generate(GenerationRequest((1, 2, 3), 4, "rest"))
+
+
+class FailingRetriever:
+    def retrieve(self, context: np.ndarray, cfg: object, version: str = "") -> tuple[object, str]:
+        raise ConnectionError("datastore down")
+
+
+def test_a_failing_datastore_costs_drafts_not_the_generation() -> None:
+    target = tiny_target("llama")
+    engine = Engine(target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(FailingRetriever()))
+    prompt = prompts(target.info.vocab_size)[0]
+    res = engine.generate(GenerationRequest(tuple(prompt), 32, "rest"))
+    assert res.token_ids == greedy_tokens(engine, prompt, "ar", 32) and res.stats.drafted_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.3), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)],
+    ids=["t1.3", "t0.8-k5-p0.9"],
+)
+def test_sampling_rest_matches_exact_distribution(params: SamplingParams, tmp_path: Path) -> None:
+    model = tiny_model("llama", vocab=VOCAB, seed=3)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, VOCAB, size=60).astype(np.int32) for _ in range(20)]
+    write_version(docs, tmp_path / "v", VOCAB, {"name": "t", "vocab_size": VOCAB, "fingerprint": "t"})
+    engine = rest_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")), FLAT_CURVE)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    dist = exact_distribution(model, prompt, params)
+    counts: dict[tuple[int, ...], int] = {}
+    drafted = 0
+    for seed in range(SAMPLES):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        res = engine.generate(GenerationRequest(tuple(prompt), NEW, "rest", sp, stop_at_eos=False))
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        drafted += res.stats.drafted_tokens
+    p = chi_square_p(counts, dist, SAMPLES)
+    assert p > 1e-3, f"rest: sampled continuations do not follow the target distribution (p = {p:.2g})"
+    assert drafted > SAMPLES // 4, f"rest hardly drafted ({drafted}); the test would prove nothing"

@@ -1,0 +1,215 @@
+"""Suffix arrays and sparse retrieval against brute-force scans, on random and real token arrays."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from datastore_svc.retrieval import (
+    Candidate,
+    Retrieval,
+    RetrievalConfig,
+    merge,
+    retrieve,
+    select_nodes,
+    trie_of_sorted,
+)
+from datastore_svc.suffix import build_buckets, build_suffix_array, find_range, longest_suffix_match
+
+VOCAB = 12
+SEP = VOCAB  # above every token
+
+
+def random_corpus(rng: np.random.Generator, docs: int, vocab: int = VOCAB) -> np.ndarray:
+    parts = []
+    for _ in range(docs):
+        parts.append(rng.integers(0, vocab, size=int(rng.integers(1, 60))))
+        parts.append([vocab])
+    return np.concatenate(parts).astype(np.int32)
+
+
+def real_corpus() -> np.ndarray:
+    """Real text (the standard library's own docs) tokenized by the default model's tokenizer."""
+    import json
+    import textwrap
+
+    from transformers import AutoTokenizer
+
+    from llm_worker.model.loading import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    docs = [textwrap.dedent(m.__doc__ or "") for m in (json, textwrap, np)]
+    ids: list[int] = []
+    for doc in docs:
+        ids += tok(doc, add_special_tokens=False)["input_ids"] + [len(tok)]
+    return np.array(ids, dtype=np.int32)
+
+
+def brute_sa(tokens: np.ndarray) -> list[int]:
+    seq = tokens.tolist()
+    return sorted(range(len(seq)), key=lambda i: seq[i:])
+
+
+def brute_occurrences(tokens: np.ndarray, pattern: np.ndarray) -> list[int]:
+    m = len(pattern)
+    return [i for i in range(len(tokens) - m + 1) if np.array_equal(tokens[i : i + m], pattern)]
+
+
+def index(tokens: np.ndarray, num_values: int) -> tuple[np.ndarray, np.ndarray]:
+    sa = build_suffix_array(tokens)
+    return sa, build_buckets(tokens, sa, num_values)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_suffix_array_is_sorted_suffixes(seed: int) -> None:
+    tokens = random_corpus(np.random.default_rng(seed), 8)
+    assert build_suffix_array(tokens).tolist() == brute_sa(tokens)
+
+
+def test_suffix_array_of_real_tokens() -> None:
+    tokens = real_corpus()
+    sa = build_suffix_array(tokens)
+    assert sorted(sa.tolist()) == list(range(len(tokens)))
+    seq = tokens.tolist()
+    for a, b in zip(sa[:-1].tolist(), sa[1:].tolist(), strict=True):  # each adjacent pair in order
+        assert seq[a : a + 64] <= seq[b : b + 64]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_find_range_equals_a_scan(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    tokens = random_corpus(rng, 10, vocab=4)
+    sa, bucket = index(tokens, 5)
+    for _ in range(60):
+        m = int(rng.integers(1, 6))
+        if rng.random() < 0.7:  # a pattern taken from the corpus (inside one document)
+            start = int(rng.integers(0, len(tokens) - m))
+            pattern = tokens[start : start + m]
+            if (pattern == SEP).any() or (pattern == 4).any():
+                continue
+        else:
+            pattern = rng.integers(0, 4, size=m).astype(np.int32)
+        lo, hi = find_range(tokens, sa, bucket, pattern)
+        assert sorted(sa[lo:hi].tolist()) == brute_occurrences(tokens, pattern)
+
+
+def test_find_range_on_real_tokens_and_absent_tokens() -> None:
+    tokens = real_corpus()
+    vocab = int(tokens.max()) + 1
+    sa, bucket = index(tokens, vocab)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        m = int(rng.integers(1, 9))
+        start = int(rng.integers(0, len(tokens) - m))
+        pattern = tokens[start : start + m]
+        lo, hi = find_range(tokens, sa, bucket, pattern)
+        assert sorted(sa[lo:hi].tolist()) == brute_occurrences(tokens, pattern)
+    assert find_range(tokens, sa, bucket, np.array([vocab + 5], dtype=np.int32)) == (0, 0)
+
+
+def brute_longest(tokens: np.ndarray, context: np.ndarray, c_min: int, c_max: int) -> int:
+    for c in range(min(c_max, len(context)), c_min - 1, -1):
+        if brute_occurrences(tokens, context[len(context) - c :]):
+            return c
+    return 0
+
+
+def brute_retrieve(tokens: np.ndarray, context: np.ndarray, cfg: RetrievalConfig) -> list[tuple]:
+    """Every occurrence, every continuation prefix counted, the same top-node rule."""
+    c = brute_longest(tokens, context, cfg.c_min, cfg.c_max)
+    if c == 0:
+        return []
+    counts: Counter[tuple[int, ...]] = Counter()
+    for pos in brute_occurrences(tokens, context[len(context) - c :]):
+        cont = []
+        for t in tokens[pos + c : pos + c + cfg.max_length].tolist():
+            if t >= SEP:
+                break
+            cont.append(t)
+        for i in range(len(cont)):
+            counts[tuple(cont[: i + 1])] += 1
+    order = sorted(counts, key=lambda p: (-counts[p], len(p), p))[: cfg.max_nodes]
+    kept = set(order)
+    leaves = [p for p in kept if not any(q[:-1] == p for q in kept)]
+    return sorted((p, tuple(counts[p[: i + 1]] for i in range(len(p)))) for p in leaves)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_retrieve_equals_a_brute_force_scan(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    tokens = random_corpus(rng, 12, vocab=3)
+    sa, bucket = index(tokens, 4)
+    cfg = RetrievalConfig(c_min=1, c_max=6, max_occurrences=10_000, max_length=4, max_nodes=int(seed * 3 + 2))
+    for _ in range(20):
+        context = rng.integers(0, 3, size=int(rng.integers(1, 10))).astype(np.int32)
+        got = retrieve(tokens, sa, bucket, SEP, context, cfg)
+        assert got.match_length == brute_longest(tokens, context, 1, 6)
+        assert len({c.tokens for c in got.candidates}) == len(got.candidates)
+        assert sorted((c.tokens, c.counts) for c in got.candidates) == brute_retrieve(tokens, context, cfg)
+
+
+def test_retrieve_reports_sources_and_no_match_means_no_candidates() -> None:
+    tokens = np.array([1, 2, 3, SEP, 5, 1, 2, 4, SEP], dtype=np.int32)
+    sa, bucket = index(tokens, VOCAB + 1)
+    docs = np.array([0, 4])
+    got = retrieve(tokens, sa, bucket, SEP, np.array([9, 1, 2]), RetrievalConfig(), docs, shard=3)
+    assert got.match_length == 2
+    assert {(c.tokens, c.source) for c in got.candidates} == {
+        ((3,), retrieval_source(3, 0, 2)),
+        ((4,), retrieval_source(3, 1, 3)),
+    }
+    none = retrieve(tokens, sa, bucket, SEP, np.array([7, 8]), RetrievalConfig(), docs)
+    assert none.candidates == () and none.match_length == 0
+
+
+def retrieval_source(shard: int, doc: int, offset: int) -> object:
+    from datastore_svc.retrieval import Source
+
+    return Source(shard, doc, offset)
+
+
+def test_trie_and_top_nodes_example() -> None:
+    mat = np.array([[4, 2], [4, 2], [4, 9], [7, -1]])
+    nodes = trie_of_sorted(mat)
+    paths = {}
+    for i in range(len(nodes.count)):
+        paths[i] = tuple(mat[nodes.row[i], : nodes.depth[i] + 1].tolist())
+    assert {paths[i]: int(nodes.count[i]) for i in paths} == {(4,): 3, (7,): 1, (4, 2): 2, (4, 9): 1}
+    keep = select_nodes(nodes.count, nodes.depth, 3)
+    assert {paths[int(i)] for i in keep} == {(4,), (4, 2), (7,)}
+
+
+def test_merging_shards_equals_retrieving_from_their_union() -> None:
+    rng = np.random.default_rng(7)
+    shards = [random_corpus(rng, 10, vocab=3) for _ in range(3)]
+    union = np.concatenate(shards)
+    cfg = RetrievalConfig(c_min=1, c_max=5, max_occurrences=10_000, max_length=3, max_nodes=1000)
+    indexes = [index(s, 4) for s in shards]
+    u_sa, u_bucket = index(union, 4)
+    for _ in range(25):
+        context = rng.integers(0, 3, size=6).astype(np.int32)
+        parts = [retrieve(s, sa, b, SEP, context, cfg) for s, (sa, b) in zip(shards, indexes, strict=True)]
+        merged = merge(parts, cfg.max_nodes, cfg.max_candidates * 100)
+        whole = retrieve(union, u_sa, u_bucket, SEP, context, cfg)
+        assert merged.match_length == whole.match_length
+        got = sorted((c.tokens, c.counts) for c in merged.candidates)
+        assert got == sorted((c.tokens, c.counts) for c in whole.candidates)
+
+
+def test_merge_keeps_the_top_nodes_of_the_summed_counts() -> None:
+    a = Retrieval((Candidate((1, 2), (5, 3)), Candidate((4,), (2,))), 2, 7, 7)
+    b = Retrieval((Candidate((1, 5), (4, 4)),), 2, 4, 4)
+    shorter = Retrieval((Candidate((9,), (50,)),), 1, 50, 50)
+    merged = merge([a, b, shorter], max_nodes=3, max_candidates=8)
+    assert merged.match_length == 2
+    assert [(c.tokens, c.counts) for c in merged.candidates] == [((1, 5), (9, 4)), ((1, 2), (9, 3))]
+
+
+def test_longest_suffix_match_binary_search() -> None:
+    tokens = np.array([1, 2, 3, 4, SEP, 2, 3, 4, 5, SEP], dtype=np.int32)
+    sa, bucket = index(tokens, VOCAB + 1)
+    c, lo, hi = longest_suffix_match(tokens, sa, bucket, np.array([0, 1, 2, 3, 4]), 1, 16)
+    assert c == 4 and sa[lo:hi].tolist() == [0]
+    assert longest_suffix_match(tokens, sa, bucket, np.array([7]), 1, 16) == (0, 0, 0)

@@ -1,0 +1,141 @@
+"""Datastore versions on disk: atomic builds, shards, checksums, refusal of bad versions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import datastore_svc.store as store
+from datastore_svc.corpus import CorpusError
+from datastore_svc.retrieval import RetrievalConfig
+from datastore_svc.store import DatastoreError, DatastoreVersion, build, tokenizer_identity
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from llm_worker.model.loading import default_model_dir
+
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def write_corpus(path: Path) -> Path:
+    import inspect
+    import json as json_module
+    import textwrap
+
+    records: list[dict[str, Any]] = []
+    for mod in (json_module, textwrap, inspect, np):
+        records.append({"text": inspect.getdoc(mod) or ""})
+    records.append({"prompt": "What is JSON?", "response": "JSON is a lightweight data interchange format."})
+    records.append(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    )
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl")
+
+
+def test_build_writes_a_complete_version_atomically(tokenizer: Any, corpus: Path, tmp_path: Path) -> None:
+    report = build(corpus, tokenizer, tmp_path / "v1", shards=3, model_name="m", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]  # no temporary directory left
+    manifest = json.loads((tmp_path / "v1" / "manifest.json").read_text())
+    assert manifest["version"] == "v1" and manifest["documents"] == 6 and len(manifest["shards"]) == 3
+    assert manifest["tokenizer"] == tokenizer_identity(tokenizer)
+    assert sum(s["documents"] for s in manifest["shards"]) == 6
+    assert report.tokens == manifest["tokens"] and report.bytes_per_token > 8
+    with pytest.raises(DatastoreError, match="immutable"):
+        build(corpus, tokenizer, tmp_path / "v1", progress=False)
+
+
+def test_sharded_retrieval_equals_one_shard(tokenizer: Any, corpus: Path, tmp_path: Path) -> None:
+    build(corpus, tokenizer, tmp_path / "one", shards=1, progress=False)
+    build(corpus, tokenizer, tmp_path / "three", shards=3, progress=False)
+    one, three = DatastoreVersion(tmp_path / "one"), DatastoreVersion(tmp_path / "three")
+    assert one.tokens == three.tokens
+    cfg = RetrievalConfig(max_occurrences=100_000, max_nodes=10_000, max_candidates=10_000)
+    ids = tokenizer(
+        "The module provides functions to encode JSON data and to dedent text", add_special_tokens=False
+    )
+    context = np.array(ids["input_ids"])
+    for end in range(2, len(context)):
+        a, b = one.retrieve(context[:end], cfg), three.retrieve(context[:end], cfg)
+        assert a.match_length == b.match_length
+        assert sorted((c.tokens, c.counts) for c in a.candidates) == sorted(
+            (c.tokens, c.counts) for c in b.candidates
+        )
+
+
+def test_a_crashed_build_leaves_nothing(
+    tokenizer: Any, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(tokens: np.ndarray) -> np.ndarray:
+        raise MemoryError("simulated crash")
+
+    monkeypatch.setattr(store, "build_suffix_array", boom)
+    with pytest.raises(MemoryError):
+        build(corpus, tokenizer, tmp_path / "v", shards=2, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_corpus_lines_name_file_and_line(tokenizer: Any, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"title": "no text"}\n')
+    with pytest.raises(CorpusError, match=r"bad\.jsonl:2"):
+        build(bad, tokenizer, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()
+
+
+@pytest.fixture()
+def version(tokenizer: Any, corpus: Path, tmp_path: Path) -> Path:
+    return build(corpus, tokenizer, tmp_path / "v", shards=2, progress=False).path
+
+
+def test_corrupt_arrays_are_refused(version: Path) -> None:
+    sa = version / "shard-0001" / "sa.npy"
+    data = bytearray(sa.read_bytes())
+    data[-5] ^= 0xFF
+    sa.write_bytes(bytes(data))
+    with pytest.raises(DatastoreError, match="checksum mismatch"):
+        DatastoreVersion(version)
+    DatastoreVersion(version, shards=[0])  # the other shard is fine
+
+
+def test_truncated_missing_and_partial_versions_are_refused(version: Path) -> None:
+    tokens = version / "shard-0000" / "tokens.npy"
+    tokens.write_bytes(tokens.read_bytes()[:-8])
+    with pytest.raises(DatastoreError, match="truncated"):
+        DatastoreVersion(version)
+    tokens.unlink()
+    with pytest.raises(DatastoreError, match="missing"):
+        DatastoreVersion(version)
+    (version / "manifest.json").unlink()
+    with pytest.raises(DatastoreError, match=r"no manifest\.json"):
+        DatastoreVersion(version)
+
+
+def test_corrupt_or_foreign_manifests_are_refused(version: Path) -> None:
+    manifest = version / "manifest.json"
+    good = manifest.read_text()
+    manifest.write_text(good[: len(good) // 2])
+    with pytest.raises(DatastoreError, match="corrupt"):
+        DatastoreVersion(version)
+    data = json.loads(good)
+    data["format_version"] = 99
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(DatastoreError, match="format version 99"):
+        DatastoreVersion(version)
+
+
+def test_another_tokenizer_is_refused(version: Path) -> None:
+    with pytest.raises(DatastoreError, match="another tokenizer"):
+        DatastoreVersion(version, tokenizer_fingerprint="0123456789abcdef")
