@@ -336,6 +336,36 @@ def _cmd_datastore_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_datastore_generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from datastore_svc.selfgen import generate_corpus, read_prompts
+    from llm_worker.chat import chat_prompt_ids, prompt_ids
+    from llm_worker.engine import GenerationRequest
+
+    try:
+        prompts = list(read_prompts(args.prompts))
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    if args.limit:
+        prompts = prompts[: args.limit]
+    engine, _target, tokenizer = _load(args)
+    engine.runtime(args.mode)  # unknown or unavailable mode: fail before any work
+
+    def answer(messages: list[dict[str, str]]) -> str:
+        if getattr(tokenizer, "chat_template", None):
+            ids = chat_prompt_ids(tokenizer, messages)
+        else:  # a base model: the conversation as plain text (as `datastore build` renders it)
+            ids = prompt_ids(tokenizer, "\n\n".join(m["content"] for m in messages))
+        result = engine.generate(GenerationRequest(tuple(ids), args.max_new_tokens, args.mode))
+        return str(tokenizer.decode(result.token_ids, skip_special_tokens=True))
+
+    with tqdm(total=len(prompts), desc="answers", unit="prompt", disable=args.quiet) as bar:
+        counts = generate_corpus(prompts, answer, args.out, progress=bar.update)
+    sys.stdout.write(json.dumps({"out": args.out, **counts}) + "\n")
+    return 0
+
+
 def _cmd_datastore_info(args: argparse.Namespace) -> int:
     from datastore_svc.store import DatastoreError, DatastoreVersion
 
@@ -703,6 +733,19 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--model", default=None, help="whose tokenizer (default: SmolLM2-135M-Instruct)")
     bd.add_argument("--quiet", action="store_true", help="no progress bars")
     bd.set_defaults(func=_cmd_datastore_build)
+    dg = dsc_sub.add_parser("generate", help="the model's own answers to prompts, as a corpus (resumable)")
+    _add_model_args(dg)
+    dg.add_argument(
+        "--prompts", required=True, help='JSONL: Spec-Bench {"question_id","turns"} or {"prompt"}'
+    )
+    dg.add_argument("--out", required=True, help="corpus JSONL to append to (ids already there are skipped)")
+    dg.add_argument(
+        "--mode", default="pld+h", help="a lossless mode: the answers are the model's greedy ones"
+    )
+    dg.add_argument("--max-new-tokens", type=_positive_int, default=512)
+    dg.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    dg.add_argument("--quiet", action="store_true", help="no progress bar")
+    dg.set_defaults(func=_cmd_datastore_generate)
     di = dsc_sub.add_parser("info", help="check a version (checksums) and print its manifest summary")
     di.add_argument("path")
     di.add_argument("--no-verify", action="store_true", help="skip the checksums")

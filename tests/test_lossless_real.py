@@ -110,3 +110,39 @@ def test_rejection_sampling_on_real_distributions(real_model, prompt_ids) -> Non
     mass = sum(float(p[t]) for t in support)
     expected = [float(p[t]) / mass * n for t in support]
     assert stats.chisquare([counts[t] for t in support], expected).pvalue > 1e-3
+
+
+@pytest.fixture(scope="module")
+def rest_engine(real_model, real_engine, prompt_ids, tmp_path_factory):
+    """An engine with a datastore of standard-library text plus the model's own answers to half
+    the prompts (in distribution: drafts often right) — the other half must do without."""
+    from datastore_svc.store import DatastoreVersion, LocalRetriever, build
+    from llm_worker.drafters import DraftResources
+    from llm_worker.engine import Engine
+
+    _, tokenizer = real_model
+    records = [{"text": inspect.getsource(m)} for m in (json.decoder, json.encoder, textwrap)]
+    for text, prompt in list(zip(varied_prompts(), prompt_ids, strict=True))[::2]:
+        answer = tokenizer.decode(
+            greedy_tokens(real_engine, prompt, "ar", NEW_TOKENS), skip_special_tokens=True
+        )
+        records.append({"prompt": text, "response": answer})
+    root = tmp_path_factory.mktemp("real-datastore")
+    (root / "corpus.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    build(root / "corpus.jsonl", tokenizer, root / "v1", shards=2, progress=False)
+    retriever = LocalRetriever(DatastoreVersion(root / "v1"))
+    return Engine(real_engine.target, real_engine.config, real_engine.cost_curve, DraftResources(retriever))
+
+
+def test_greedy_datastore_modes_are_token_identical_to_ar(real_model, real_engine, rest_engine, prompt_ids):
+    target, _ = real_model
+    modes = [m for m in ("rest", "rest-batch") if m in DRAFTERS.names()]
+    accepted = dict.fromkeys(modes, 0)
+    for i, prompt in enumerate(prompt_ids):
+        ref = greedy_tokens(real_engine, prompt, "ar", NEW_TOKENS)
+        for mode in modes:
+            res = rest_engine.generate(GenerationRequest(tuple(prompt), NEW_TOKENS, mode))
+            accepted[mode] += res.stats.accepted_tokens
+            assert res.datastore_version == "v1"
+            assert_greedy_identical(target, prompt, ref, res.token_ids, f"real/{mode}/prompt{i}")
+    assert all(accepted[m] > 0 for m in modes), accepted
