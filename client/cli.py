@@ -366,6 +366,99 @@ def _cmd_datastore_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_datastore_local_corpus(args: argparse.Namespace) -> int:
+    from datastore_svc.bench import code_questions, local_corpus
+
+    counts = local_corpus(args.out, args.max_chars)
+    if args.questions_out:
+        counts["questions"] = code_questions(args.questions_out, args.questions)
+    sys.stdout.write(json.dumps({"out": args.out, **counts}) + "\n")
+    return 0
+
+
+def _cmd_datastore_bench(args: argparse.Namespace) -> int:
+    import time
+
+    from datastore_svc.bench import query_contexts, retrieval_latency
+    from datastore_svc.store import DatastoreError, DatastoreVersion, LocalRetriever
+    from llm_worker.drafters.rest import retrieval_config
+
+    tokenizer, _ = _load_tokenizer(args)
+    try:
+        t0 = time.perf_counter()
+        DatastoreVersion(args.datastore, verify=False)
+        open_seconds = time.perf_counter() - t0
+        version = DatastoreVersion(args.datastore)
+    except DatastoreError as exc:
+        raise CliError(str(exc)) from exc
+    cfg = retrieval_config({})
+    contexts = query_contexts(tokenizer, args.queries, cfg.c_max)
+    m = version.manifest
+    size = sum(f["bytes"] for s in m["shards"] for f in s["files"].values())
+    report: dict[str, Any] = {
+        "version": version.version,
+        "tokens": m["tokens"],
+        "shards": version.num_shards,
+        "bytes_per_token": round(size / max(m["tokens"], 1), 2),
+        "build_seconds": m["build"].get("seconds"),
+        "load_seconds": {"mmap": round(open_seconds, 3), "mmap+checksums": round(version.load_seconds, 3)},
+        "in_process": retrieval_latency(LocalRetriever(version), contexts[:50], cfg),  # warm-up
+    }
+    report["in_process"] = retrieval_latency(LocalRetriever(version), contexts, cfg)
+    if args.grpc:
+        report["grpc"] = _grpc_latency(args.datastore, version.num_shards, contexts, cfg)
+    if args.draftretriever:
+        import tempfile
+
+        from datastore_svc.bench import draftretriever_latency
+
+        tokens = [s.tokens for s in version.shards]
+        with tempfile.TemporaryDirectory() as tmp:
+            report["draftretriever"] = draftretriever_latency(
+                tokens, version.shards[0].separator, contexts, Path(tmp)
+            )
+    sys.stdout.write(json.dumps(report) + "\n")
+    if args.json_out:
+        _write_atomically(Path(args.json_out), json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def _grpc_latency(path: str, shards: int, contexts: list[Any], cfg: Any) -> dict[str, float]:
+    """Start one shard server process per shard, time retrievals through the fan-out client."""
+    import subprocess
+    import time
+
+    from client.stack import _free_port, health_status
+    from datastore_svc.bench import retrieval_latency
+    from datastore_svc.fanout import RemoteDatastore
+
+    procs, addresses = [], []
+    try:
+        for i in range(shards):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "client.cli", "serve", "datastore", "--datastore", path]
+            procs.append(
+                subprocess.Popen([*cmd, "--shard", str(i), "--port", str(port)], stderr=subprocess.DEVNULL)
+            )
+            addresses.append(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 300
+        while any(health_status(a) != "SERVING" for a in addresses):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise CliError("a shard server did not start")
+            time.sleep(0.2)
+        remote = RemoteDatastore(addresses, deadline=2.0)
+        retrieval_latency(remote, contexts[:50], cfg)  # warm the channels
+        result = retrieval_latency(remote, contexts, cfg)
+        result["failures"] = sum(remote.failures.values())
+        remote.close()
+        return result
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
 def _cmd_datastore_info(args: argparse.Namespace) -> int:
     from datastore_svc.store import DatastoreError, DatastoreVersion
 
@@ -746,6 +839,24 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--limit", type=int, default=0, help="only the first N prompts")
     dg.add_argument("--quiet", action="store_true", help="no progress bar")
     dg.set_defaults(func=_cmd_datastore_generate)
+    dl = dsc_sub.add_parser("local-corpus", help="a corpus of local text (Python sources, Debian docs)")
+    dl.add_argument("--out", required=True)
+    dl.add_argument("--max-chars", type=_positive_int, default=4_000_000, help="about 4 chars per token")
+    dl.add_argument("--questions-out", help="also write Spec-Bench code questions the corpus covers")
+    dl.add_argument("--questions", type=_positive_int, default=20)
+    dl.set_defaults(func=_cmd_datastore_local_corpus)
+    dbn = dsc_sub.add_parser("bench", help="load time and retrieval latency, in process and over gRPC")
+    dbn.add_argument("--datastore", required=True)
+    dbn.add_argument("--model", default=None, help="whose tokenizer (default: SmolLM2-135M-Instruct)")
+    dbn.add_argument("--queries", type=_positive_int, default=1000)
+    dbn.add_argument("--grpc", action="store_true", help="also through shard server processes")
+    dbn.add_argument(
+        "--draftretriever",
+        action="store_true",
+        help="also the PyPI draftretriever on the same tokens (if installed)",
+    )
+    dbn.add_argument("--json-out")
+    dbn.set_defaults(func=_cmd_datastore_bench)
     di = dsc_sub.add_parser("info", help="check a version (checksums) and print its manifest summary")
     di.add_argument("path")
     di.add_argument("--no-verify", action="store_true", help="skip the checksums")

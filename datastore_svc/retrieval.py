@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from datastore_svc.suffix import longest_suffix_match
+from datastore_svc.suffix import SuffixIndex
 
 PAD = -1
 
@@ -38,8 +38,8 @@ class RetrievalConfig:
     """Longest context suffix tried."""
     max_occurrences: int = 256
     """N: occurrences read, evenly spaced over the matched range."""
-    max_length: int = 16
-    """L: tokens read after each occurrence."""
+    max_length: int = 10
+    """L: tokens read after each occurrence (REST reads 10)."""
     max_nodes: int = 64
     """Trie nodes kept (highest counts)."""
     max_candidates: int = 32
@@ -105,41 +105,34 @@ class _Nodes:
     row: np.ndarray  # [num_nodes] first row of the node's group
     count: np.ndarray  # [num_nodes]
     parent: np.ndarray  # [num_nodes] -1 = hangs off the root
+    run: np.ndarray  # [L, N] size of the node (run of rows) containing row i at depth d
 
 
 def trie_of_sorted(mat: np.ndarray) -> _Nodes:
-    """The trie of the rows of ``mat`` ([N, L], rows in lexicographic order, PAD-padded)."""
+    """The trie of the rows of ``mat`` ([N, L], rows in lexicographic order, PAD-padded).
+
+    Sorted rows that share a prefix are adjacent, so a node is a run of rows: at depth d a new
+    node starts at row i when row i agrees with row i-1 on fewer than d + 1 leading tokens (their
+    LCP ≤ d). Everything is computed at once over the [L, N] grid of (depth, row) starts, in
+    depth-major order; a node's parent is the last start at depth d - 1 at or before its row.
+    """
     n, length = mat.shape
-    depth, row, count, parent = [], [], [], []
-    new = np.zeros(n, dtype=bool)
-    if n:
-        new[0] = True
-    prev_node_of_group = np.zeros(0, dtype=np.int64)
-    prev_gid = np.zeros(n, dtype=np.int64)
-    total = 0
-    for d in range(length):
-        col = mat[:, d]
-        new = new.copy()
-        new[1:] |= col[1:] != col[:-1]
-        gid = np.cumsum(new) - 1  # group of each row at depth d
-        starts = np.flatnonzero(new)
-        sizes = np.diff(np.append(starts, n))
-        valid = col[starts] != PAD
-        starts, sizes = starts[valid], sizes[valid]
-        if not len(starts):
-            break
-        node_of_group = np.full(int(gid[-1]) + 1, -1, dtype=np.int64)
-        node_of_group[gid[starts]] = np.arange(total, total + len(starts))
-        depth.append(np.full(len(starts), d))
-        row.append(starts)
-        count.append(sizes)
-        parent.append(prev_node_of_group[prev_gid[starts]] if d else np.full(len(starts), -1))
-        total += len(starts)
-        prev_node_of_group, prev_gid = node_of_group, gid
-    if not depth:
+    if n == 0 or length == 0:
         empty = np.zeros(0, dtype=np.int64)
-        return _Nodes(empty, empty, empty, empty)
-    return _Nodes(*(np.concatenate(a).astype(np.int64) for a in (depth, row, count, parent)))
+        return _Nodes(empty, empty, empty, empty, np.zeros((length, n), dtype=np.int64))
+    equal = mat[1:] == mat[:-1]  # [N-1, L]
+    lcp = np.full(n, -1, dtype=np.int64)  # [N] shared leading tokens with the previous row
+    lcp[1:] = np.where(equal.all(axis=1), length, equal.argmin(axis=1))
+    starts = lcp[None, :] <= np.arange(length)[:, None]  # [L, N] a node starts at (depth, row)
+    flat = np.flatnonzero(starts.ravel())  # depth-major positions d * N + i
+    depth, row = flat // n, flat % n
+    size = np.minimum(np.append(flat[1:], length * n), (depth + 1) * n) - flat
+    parent_pos = np.searchsorted(flat, flat - n, side="right") - 1  # last start at depth - 1, row ≤ i
+    valid = mat[row, depth] != PAD
+    node_id = np.cumsum(valid) - 1  # ids of the valid starts, in order
+    parent = np.where(depth > 0, node_id[np.maximum(parent_pos, 0)], -1)
+    run = np.repeat(size, size).reshape(length, n)  # runs tile every column
+    return _Nodes(depth[valid], row[valid], size[valid], parent[valid], run)
 
 
 def select_nodes(count: np.ndarray, depth: np.ndarray, k: int) -> np.ndarray:
@@ -155,18 +148,8 @@ def _leaves(parent: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return keep[~has_child[keep]]
 
 
-def _path(parent: np.ndarray, node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = int(parent[node])
-    return path[::-1]
-
-
 def retrieve(
-    tokens: np.ndarray,
-    sa: np.ndarray,
-    bucket: np.ndarray,
+    index: SuffixIndex,
     separator: int,
     context: np.ndarray,
     cfg: RetrievalConfig,
@@ -174,34 +157,32 @@ def retrieve(
     shard: int = 0,
 ) -> Retrieval:
     """Candidates for continuing ``context`` from one shard (see the module docstring)."""
-    c, lo, hi = longest_suffix_match(tokens, sa, bucket, context, cfg.c_min, cfg.c_max)
+    c, lo, hi = index.longest_suffix_match(context, cfg.c_min, cfg.c_max)
     if c == 0:
         return NO_MATCH
     picked = sample_range(lo, hi, cfg.max_occurrences)
-    starts = np.asarray(sa[picked], dtype=np.int64) + c  # continuation start positions
-    mat = continuation_matrix(tokens, starts, cfg.max_length, separator)
+    starts = index.positions(picked) + c  # continuation start positions
+    mat = continuation_matrix(index.tokens, starts, cfg.max_length, separator)
     nodes = trie_of_sorted(mat)
     if not len(nodes.count):
         return Retrieval((), c, hi - lo, len(picked))
     keep = select_nodes(nodes.count, nodes.depth, cfg.max_nodes)
     leaves = _leaves(nodes.parent, keep)
     leaves = leaves[np.lexsort((leaves, -nodes.count[leaves]))][: cfg.max_candidates]
-    candidates = []
-    for leaf in leaves:
-        path = _path(nodes.parent, int(leaf))
-        r = int(nodes.row[leaf])
-        source = None
-        if doc_starts is not None:
-            pos = int(starts[r])
-            doc = int(np.searchsorted(doc_starts, pos, side="right")) - 1
-            source = Source(shard, doc, pos - int(doc_starts[doc]))
-        candidates.append(
-            Candidate(
-                tokens=tuple(int(t) for t in mat[r, : len(path)]),
-                counts=tuple(int(nodes.count[p]) for p in path),
-                source=source,
-            )
-        )
+    rows = nodes.row[leaves]
+    lengths = nodes.depth[leaves].tolist()
+    token_rows = mat[rows].tolist()
+    count_rows = nodes.run[:, rows].T.tolist()  # [leaves, L]: counts of each prefix of the leaf's row
+    sources: list[Source | None] = [None] * len(leaves)
+    if doc_starts is not None:
+        pos = starts[rows]
+        doc = np.searchsorted(doc_starts, pos, side="right") - 1
+        offset = pos - np.asarray(doc_starts)[doc]
+        sources = [Source(shard, d, o) for d, o in zip(doc.tolist(), offset.tolist(), strict=True)]
+    candidates = [
+        Candidate(tuple(token_rows[i][: d + 1]), tuple(count_rows[i][: d + 1]), sources[i])
+        for i, d in enumerate(lengths)
+    ]
     return Retrieval(tuple(candidates), c, hi - lo, len(picked))
 
 

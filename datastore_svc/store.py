@@ -4,10 +4,9 @@ A version is an immutable directory::
 
     VERSION/
       manifest.json          format, version name, tokenizer identity, sizes, checksums, build
-      shard-0000/tokens.npy  [n] int32  documents' token ids, each followed by the separator
-      shard-0000/sa.npy      [n] int32  suffix array of tokens
-      shard-0000/bucket.npy  [separator + 2] int64  first suffix-array index of each token value
-      shard-0000/docs.npy    [documents] int64  where each document starts in tokens
+      shard-0000/tokens.npy  [n] >u2 (or >u4)  documents' token ids, each followed by the separator
+      shard-0000/sa.npy      [n] int32  suffix array: the sorted suffixes' byte offsets in tokens
+      shard-0000/docs.npy    [documents] int64  where each document starts in tokens (token index)
       shard-0001/...
 
 A build writes everything into a hidden temporary directory beside ``VERSION`` and renames it
@@ -32,12 +31,12 @@ import numpy as np
 
 from datastore_svc.corpus import read_documents
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
-from datastore_svc.suffix import SA_LIBRARY, build_buckets, build_suffix_array
+from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
 
 FORMAT = "specdraft-datastore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-ARRAYS = ("tokens", "sa", "bucket", "docs")
+ARRAYS = ("tokens", "sa", "docs")
 
 
 class DatastoreError(Exception):
@@ -117,8 +116,12 @@ def assign_shards(lengths: Sequence[int], shards: int) -> list[list[int]]:
     return [sorted(m) for m in members]
 
 
+def build_index(tokens: np.ndarray, separator: int) -> SuffixIndex:
+    return SuffixIndex.build(tokens, separator)
+
+
 def shard_arrays(docs: Sequence[np.ndarray], separator: int) -> dict[str, np.ndarray]:
-    """tokens / sa / bucket / docs of one shard (see the module docstring)."""
+    """tokens / sa / docs of one shard (see the module docstring)."""
     lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
     starts = np.zeros(len(docs), dtype=np.int64)
     if len(docs):
@@ -126,8 +129,8 @@ def shard_arrays(docs: Sequence[np.ndarray], separator: int) -> dict[str, np.nda
     tokens = np.full(int(lengths.sum()), separator, dtype=np.int32)
     for start, doc in zip(starts, docs, strict=True):
         tokens[start : start + len(doc)] = doc
-    sa = build_suffix_array(tokens)
-    return {"tokens": tokens, "sa": sa, "bucket": build_buckets(tokens, sa, separator + 1), "docs": starts}
+    index = build_index(tokens, separator)
+    return {"tokens": index.tokens, "sa": index.sa, "docs": starts}
 
 
 def build(
@@ -271,16 +274,16 @@ class Shard:
     """One shard's arrays, memory-mapped."""
 
     index: int
-    tokens: np.ndarray  # [n] int32
-    sa: np.ndarray  # [n] int32
-    bucket: np.ndarray  # [separator + 2] int64
+    suffixes: SuffixIndex
     docs: np.ndarray  # [documents] int64
     separator: int
 
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.suffixes.tokens
+
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig) -> Retrieval:
-        return retrieve(
-            self.tokens, self.sa, self.bucket, self.separator, context, cfg, self.docs, self.index
-        )
+        return retrieve(self.suffixes, self.separator, context, cfg, self.docs, self.index)
 
 
 def open_shard(path: Path, manifest: dict[str, Any], index: int, verify: bool = True) -> Shard:
@@ -304,17 +307,18 @@ def open_shard(path: Path, manifest: dict[str, Any], index: int, verify: bool = 
         if verify and sha256_file(file) != expected["sha256"]:
             raise DatastoreError(f"{file}: checksum mismatch (corrupt)")
         try:
-            arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False)
+            # a plain ndarray view of the mapping: np.memmap's per-slice bookkeeping costs µs per access
+            arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False).view(np.ndarray)
         except (ValueError, OSError) as exc:
             raise DatastoreError(f"{file} is not a readable array: {exc}") from None
     separator = int(manifest["separator"])
     n = int(entry.get("tokens", -1))
-    tokens, sa, bucket = arrays["tokens"], arrays["sa"], arrays["bucket"]
-    if tokens.shape != (n,) or sa.shape != (n,) or bucket.shape != (separator + 2,):
+    tokens, sa = arrays["tokens"], arrays["sa"]
+    if tokens.shape != (n,) or sa.shape != (n,):
         raise DatastoreError(f"{sdir}: array shapes disagree with the manifest")
-    if tokens.dtype != np.int32 or sa.dtype != np.int32:
-        raise DatastoreError(f"{sdir}: tokens and sa must be int32")
-    return Shard(index, tokens, sa, bucket, arrays["docs"], separator)
+    if tokens.dtype != token_dtype(separator) or sa.dtype != np.int32:
+        raise DatastoreError(f"{sdir}: tokens must be {token_dtype(separator)} and sa int32")
+    return Shard(index, SuffixIndex(tokens, sa), arrays["docs"], separator)
 
 
 class DatastoreVersion:

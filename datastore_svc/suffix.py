@@ -1,111 +1,138 @@
-"""Suffix arrays over token arrays: construction (a library) and pattern search (pure functions).
+"""Suffix arrays over token arrays: construction and search, both by libdivsufsort (pydivsufsort).
 
-A shard's corpus is one int32 array: documents' token ids one after another, each document
-followed by ``separator`` — a value above every token id, so no pattern ever matches across a
-document boundary and a continuation stops at the end of its document.
+A shard's corpus is one array: documents' token ids one after another, each document followed by
+``separator`` — a value above every token id, so no pattern matches across a document boundary
+and a continuation stops at the end of its document.
 
-``sa`` is the suffix array: ``sa[i]`` is the start of the i-th smallest suffix. All suffixes
-that begin with a pattern form one contiguous range ``[lo, hi)`` of ``sa``; ``bucket[v]`` is the
-first index of ``sa`` whose suffix starts with token v, so a search starts inside the range of
-the pattern's first token.
+Tokens are stored big-endian at a fixed width (2 bytes when the separator fits, else 4), so that
+comparing their bytes compares the tokens: the suffix array of the tokens is then also sorted as
+byte strings, and libdivsufsort's own C binary search (``sa_search``) finds a pattern's range in
+microseconds. ``sa`` holds the suffixes' *byte* offsets (token position × width); all suffixes that
+begin with a pattern form one contiguous range ``[lo, hi)`` of it.
 
 Example: tokens [5, 6, 5, 7, SEP] → suffixes sorted: [5,6,5,7,SEP] (0), [5,7,SEP] (2), [6,5,7,SEP]
-(1), [7,SEP] (3), [SEP] (4) → sa = [0, 2, 1, 3, 4]; pattern [5] occupies sa[0:2] (positions 0, 2).
+(1), [7,SEP] (3), [SEP] (4) → token-level suffix array [0, 2, 1, 3, 4]; with width 2 the stored
+``sa`` is [0, 4, 2, 6, 8]; pattern [5] occupies sa[0:2] (token positions 0 and 2).
 """
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
+
 import numpy as np
 
 SA_LIBRARY = "pydivsufsort"
+MAX_SHARD_BYTES = 2**31 - 1  # int32 byte offsets
+
+
+def token_dtype(separator: int) -> np.dtype:
+    """Big-endian unsigned ints wide enough for token ids and the separator."""
+    return np.dtype(">u2") if separator < 2**16 else np.dtype(">u4")
 
 
 def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
-    """[n] int32 suffix array of ``tokens`` ([n] int32, values ≥ 0), built by libdivsufsort."""
+    """[n] int32 token-level suffix array of ``tokens`` ([n] non-negative ints), by libdivsufsort."""
     import pydivsufsort
 
-    if tokens.dtype != np.int32:
-        raise TypeError(f"tokens must be int32, not {tokens.dtype}")
-    if len(tokens) >= 2**31 - 1:
-        raise ValueError(f"a shard holds at most 2^31 - 2 tokens, not {len(tokens)}: use more shards")
     if len(tokens) == 0:
         return np.zeros(0, dtype=np.int32)
-    sa = pydivsufsort.divsufsort(np.ascontiguousarray(tokens))
+    if int(tokens.min()) < 0:
+        raise ValueError("token ids must be non-negative")
+    sa = pydivsufsort.divsufsort(np.ascontiguousarray(tokens, dtype=np.int32))
     return np.asarray(sa, dtype=np.int32)
 
 
-def build_buckets(tokens: np.ndarray, sa: np.ndarray, num_values: int) -> np.ndarray:
-    """[num_values + 1] int64: suffixes starting with value v are sa[bucket[v] : bucket[v + 1]]."""
-    counts = np.bincount(tokens, minlength=num_values)[:num_values]
-    bucket = np.zeros(num_values + 1, dtype=np.int64)
-    np.cumsum(counts, out=bucket[1:])
-    return bucket
+def _search_function() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    from pydivsufsort.dll import libdivsufsort
+
+    fn = libdivsufsort.sa_search
+    fn.argtypes = [
+        ctypes.c_void_p,  # T
+        ctypes.c_int32,  # Tsize (bytes)
+        ctypes.c_char_p,  # P
+        ctypes.c_int32,  # Psize (bytes)
+        ctypes.c_void_p,  # SA
+        ctypes.c_int32,  # SAsize (entries)
+        ctypes.POINTER(ctypes.c_int32),  # left
+    ]
+    fn.restype = ctypes.c_int32
+    return fn
 
 
-def compare_at(tokens: np.ndarray, start: int, pattern: np.ndarray) -> int:
-    """Compare the suffix at ``start``, cut to len(pattern), with ``pattern``: -1, 0 or 1.
-
-    A suffix shorter than the pattern that agrees on its whole length is smaller.
-    """
-    m = len(pattern)
-    window = tokens[start : start + m]
-    k = len(window)
-    differ = np.flatnonzero(window != pattern[:k])
-    if differ.size:
-        j = int(differ[0])
-        return -1 if window[j] < pattern[j] else 1
-    return 0 if k == m else -1
+_SA_SEARCH = None
 
 
-def find_range(
-    tokens: np.ndarray, sa: np.ndarray, bucket: np.ndarray, pattern: np.ndarray
-) -> tuple[int, int]:
-    """The range ``[lo, hi)`` of ``sa`` whose suffixes start with ``pattern`` (empty: lo == hi)."""
-    if len(pattern) == 0:
-        return 0, len(sa)
-    first = int(pattern[0])
-    if not 0 <= first < len(bucket) - 1:
-        return 0, 0
-    lo, hi = int(bucket[first]), int(bucket[first + 1])
-    if len(pattern) == 1 or lo == hi:
-        return lo, hi
-    # lower bound: first suffix ≥ pattern
-    a, b = lo, hi
-    while a < b:
-        mid = (a + b) // 2
-        if compare_at(tokens, int(sa[mid]), pattern) < 0:
-            a = mid + 1
-        else:
-            b = mid
-    start = a
-    # upper bound: first suffix > pattern (a suffix starting with the pattern compares equal)
-    b = hi
-    while a < b:
-        mid = (a + b) // 2
-        if compare_at(tokens, int(sa[mid]), pattern) <= 0:
-            a = mid + 1
-        else:
-            b = mid
-    return start, a
+@dataclass(frozen=True)
+class SuffixIndex:
+    """A shard's tokens and suffix array, ready to search (arrays may be memory-mapped)."""
 
+    tokens: np.ndarray  # [n] big-endian uint16 / uint32
+    sa: np.ndarray  # [n] int32 byte offsets of the sorted suffixes
 
-def longest_suffix_match(
-    tokens: np.ndarray, sa: np.ndarray, bucket: np.ndarray, context: np.ndarray, c_min: int, c_max: int
-) -> tuple[int, int, int]:
-    """The longest c in [c_min, c_max] whose last-c-token suffix of ``context`` occurs: (c, lo, hi).
+    @staticmethod
+    def build(tokens: np.ndarray, separator: int) -> SuffixIndex:
+        """Index ``tokens`` ([n] ints < separator, or == separator between documents)."""
+        dtype = token_dtype(separator)
+        if len(tokens) * dtype.itemsize > MAX_SHARD_BYTES:
+            raise ValueError(f"{len(tokens)} tokens are too many for one shard: use more shards")
+        sa = build_suffix_array(tokens).astype(np.int64) * dtype.itemsize
+        return SuffixIndex(np.ascontiguousarray(tokens, dtype=dtype), sa.astype(np.int32))
 
-    Occurrence is monotone in c (a longer suffix occurs only where a shorter one does), so c is
-    found by binary search. No match: (0, 0, 0).
-    """
-    c_max = min(c_max, len(context))
-    best = (0, 0, 0)
-    a, b = c_min, c_max
-    while a <= b:
-        c = (a + b) // 2
-        lo, hi = find_range(tokens, sa, bucket, context[len(context) - c :])
-        if hi > lo:
-            best = (c, lo, hi)
-            a = c + 1
-        else:
-            b = c - 1
-    return best
+    @property
+    def width(self) -> int:
+        return int(self.tokens.dtype.itemsize)
+
+    def positions(self, rows: np.ndarray) -> np.ndarray:
+        """Token positions of the suffixes at ``rows`` of the suffix array."""
+        return np.asarray(self.sa[rows], dtype=np.int64) // self.width
+
+    def find_range(self, pattern: np.ndarray) -> tuple[int, int]:
+        """The range ``[lo, hi)`` of ``sa`` whose suffixes start with ``pattern`` (empty: lo == hi)."""
+        values = [int(t) for t in pattern]
+        if values and (min(values) < 0 or max(values) >= 2 ** (8 * self.width)):
+            return 0, 0
+        return self._range_of_bytes(np.asarray(values, dtype=self.tokens.dtype).tobytes())
+
+    def _range_of_bytes(self, key: bytes) -> tuple[int, int]:
+        global _SA_SEARCH
+        n = len(self.sa)
+        if not key:
+            return 0, n
+        if n == 0:
+            return 0, 0
+        if _SA_SEARCH is None:
+            _SA_SEARCH = _search_function()
+        left = ctypes.c_int32()
+        count = _SA_SEARCH(
+            self.tokens.ctypes.data, n * self.width, key, len(key), self.sa.ctypes.data, n, ctypes.byref(left)
+        )
+        if count < 0:
+            raise RuntimeError(f"libdivsufsort sa_search failed ({count})")
+        return (left.value, left.value + count) if count else (0, 0)
+
+    def longest_suffix_match(self, context: np.ndarray, c_min: int, c_max: int) -> tuple[int, int, int]:
+        """The longest c in [c_min, c_max] whose last-c-token suffix of ``context`` occurs: (c, lo, hi).
+
+        Occurrence is monotone in c (a longer suffix occurs only where a shorter one does), so c is
+        found by binary search. No match: (0, 0, 0).
+        """
+        c_max = min(c_max, len(context))
+        tail = [int(t) for t in context[len(context) - c_max :]]
+        limit = 2 ** (8 * self.width)
+        bad = [i for i, t in enumerate(tail) if not 0 <= t < limit]
+        if bad:  # a token this index cannot hold occurs nowhere: only the suffix after it can match
+            tail = tail[bad[-1] + 1 :]
+        c_max = len(tail)
+        data = np.asarray(tail, dtype=self.tokens.dtype).tobytes()
+        best = (0, 0, 0)
+        a, b = c_min, c_max
+        while a <= b:
+            c = (a + b) // 2
+            lo, hi = self._range_of_bytes(data[(c_max - c) * self.width :])
+            if hi > lo:
+                best = (c, lo, hi)
+                a = c + 1
+            else:
+                b = c - 1
+        return best

@@ -16,7 +16,7 @@ from datastore_svc.retrieval import (
     select_nodes,
     trie_of_sorted,
 )
-from datastore_svc.suffix import build_buckets, build_suffix_array, find_range, longest_suffix_match
+from datastore_svc.suffix import SuffixIndex, build_suffix_array
 
 VOCAB = 12
 SEP = VOCAB  # above every token
@@ -57,9 +57,8 @@ def brute_occurrences(tokens: np.ndarray, pattern: np.ndarray) -> list[int]:
     return [i for i in range(len(tokens) - m + 1) if np.array_equal(tokens[i : i + m], pattern)]
 
 
-def index(tokens: np.ndarray, num_values: int) -> tuple[np.ndarray, np.ndarray]:
-    sa = build_suffix_array(tokens)
-    return sa, build_buckets(tokens, sa, num_values)
+def index(tokens: np.ndarray, separator: int = SEP) -> SuffixIndex:
+    return SuffixIndex.build(tokens, separator)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -81,7 +80,7 @@ def test_suffix_array_of_real_tokens() -> None:
 def test_find_range_equals_a_scan(seed: int) -> None:
     rng = np.random.default_rng(seed)
     tokens = random_corpus(rng, 10, vocab=4)
-    sa, bucket = index(tokens, 5)
+    idx = index(tokens, 4)
     for _ in range(60):
         m = int(rng.integers(1, 6))
         if rng.random() < 0.7:  # a pattern taken from the corpus (inside one document)
@@ -91,22 +90,23 @@ def test_find_range_equals_a_scan(seed: int) -> None:
                 continue
         else:
             pattern = rng.integers(0, 4, size=m).astype(np.int32)
-        lo, hi = find_range(tokens, sa, bucket, pattern)
-        assert sorted(sa[lo:hi].tolist()) == brute_occurrences(tokens, pattern)
+        lo, hi = idx.find_range(pattern)
+        assert sorted(idx.positions(np.arange(lo, hi)).tolist()) == brute_occurrences(tokens, pattern)
 
 
 def test_find_range_on_real_tokens_and_absent_tokens() -> None:
     tokens = real_corpus()
     vocab = int(tokens.max()) + 1
-    sa, bucket = index(tokens, vocab)
+    idx = index(tokens, vocab)
     rng = np.random.default_rng(0)
     for _ in range(40):
         m = int(rng.integers(1, 9))
         start = int(rng.integers(0, len(tokens) - m))
         pattern = tokens[start : start + m]
-        lo, hi = find_range(tokens, sa, bucket, pattern)
-        assert sorted(sa[lo:hi].tolist()) == brute_occurrences(tokens, pattern)
-    assert find_range(tokens, sa, bucket, np.array([vocab + 5], dtype=np.int32)) == (0, 0)
+        lo, hi = idx.find_range(pattern)
+        assert sorted(idx.positions(np.arange(lo, hi)).tolist()) == brute_occurrences(tokens, pattern)
+    assert idx.find_range(np.array([vocab + 5], dtype=np.int32)) == (0, 0)
+    assert idx.find_range(np.array([3, -1], dtype=np.int32)) == (0, 0)
 
 
 def brute_longest(tokens: np.ndarray, context: np.ndarray, c_min: int, c_max: int) -> int:
@@ -140,11 +140,11 @@ def brute_retrieve(tokens: np.ndarray, context: np.ndarray, cfg: RetrievalConfig
 def test_retrieve_equals_a_brute_force_scan(seed: int) -> None:
     rng = np.random.default_rng(seed)
     tokens = random_corpus(rng, 12, vocab=3)
-    sa, bucket = index(tokens, 4)
+    idx = index(tokens)
     cfg = RetrievalConfig(c_min=1, c_max=6, max_occurrences=10_000, max_length=4, max_nodes=int(seed * 3 + 2))
     for _ in range(20):
         context = rng.integers(0, 3, size=int(rng.integers(1, 10))).astype(np.int32)
-        got = retrieve(tokens, sa, bucket, SEP, context, cfg)
+        got = retrieve(idx, SEP, context, cfg)
         assert got.match_length == brute_longest(tokens, context, 1, 6)
         assert len({c.tokens for c in got.candidates}) == len(got.candidates)
         assert sorted((c.tokens, c.counts) for c in got.candidates) == brute_retrieve(tokens, context, cfg)
@@ -152,15 +152,15 @@ def test_retrieve_equals_a_brute_force_scan(seed: int) -> None:
 
 def test_retrieve_reports_sources_and_no_match_means_no_candidates() -> None:
     tokens = np.array([1, 2, 3, SEP, 5, 1, 2, 4, SEP], dtype=np.int32)
-    sa, bucket = index(tokens, VOCAB + 1)
+    idx = index(tokens)
     docs = np.array([0, 4])
-    got = retrieve(tokens, sa, bucket, SEP, np.array([9, 1, 2]), RetrievalConfig(), docs, shard=3)
+    got = retrieve(idx, SEP, np.array([9, 1, 2]), RetrievalConfig(), docs, shard=3)
     assert got.match_length == 2
     assert {(c.tokens, c.source) for c in got.candidates} == {
         ((3,), retrieval_source(3, 0, 2)),
         ((4,), retrieval_source(3, 1, 3)),
     }
-    none = retrieve(tokens, sa, bucket, SEP, np.array([7, 8]), RetrievalConfig(), docs)
+    none = retrieve(idx, SEP, np.array([7, 8]), RetrievalConfig(), docs)
     assert none.candidates == () and none.match_length == 0
 
 
@@ -186,13 +186,13 @@ def test_merging_shards_equals_retrieving_from_their_union() -> None:
     shards = [random_corpus(rng, 10, vocab=3) for _ in range(3)]
     union = np.concatenate(shards)
     cfg = RetrievalConfig(c_min=1, c_max=5, max_occurrences=10_000, max_length=3, max_nodes=1000)
-    indexes = [index(s, 4) for s in shards]
-    u_sa, u_bucket = index(union, 4)
+    indexes = [index(s) for s in shards]
+    whole_index = index(union)
     for _ in range(25):
         context = rng.integers(0, 3, size=6).astype(np.int32)
-        parts = [retrieve(s, sa, b, SEP, context, cfg) for s, (sa, b) in zip(shards, indexes, strict=True)]
+        parts = [retrieve(i, SEP, context, cfg) for i in indexes]
         merged = merge(parts, cfg.max_nodes, cfg.max_candidates * 100)
-        whole = retrieve(union, u_sa, u_bucket, SEP, context, cfg)
+        whole = retrieve(whole_index, SEP, context, cfg)
         assert merged.match_length == whole.match_length
         got = sorted((c.tokens, c.counts) for c in merged.candidates)
         assert got == sorted((c.tokens, c.counts) for c in whole.candidates)
@@ -209,7 +209,15 @@ def test_merge_keeps_the_top_nodes_of_the_summed_counts() -> None:
 
 def test_longest_suffix_match_binary_search() -> None:
     tokens = np.array([1, 2, 3, 4, SEP, 2, 3, 4, 5, SEP], dtype=np.int32)
-    sa, bucket = index(tokens, VOCAB + 1)
-    c, lo, hi = longest_suffix_match(tokens, sa, bucket, np.array([0, 1, 2, 3, 4]), 1, 16)
-    assert c == 4 and sa[lo:hi].tolist() == [0]
-    assert longest_suffix_match(tokens, sa, bucket, np.array([7]), 1, 16) == (0, 0, 0)
+    idx = index(tokens)
+    c, lo, hi = idx.longest_suffix_match(np.array([0, 1, 2, 3, 4]), 1, 16)
+    assert c == 4 and idx.positions(np.arange(lo, hi)).tolist() == [0]
+    assert idx.longest_suffix_match(np.array([7]), 1, 16) == (0, 0, 0)
+
+
+def test_wide_vocabularies_use_four_byte_tokens() -> None:
+    tokens = np.array([70000, 5, 70000, 6, 100000], dtype=np.int64)
+    idx = SuffixIndex.build(tokens, 100000)
+    assert idx.width == 4
+    lo, hi = idx.find_range(np.array([70000]))
+    assert sorted(idx.positions(np.arange(lo, hi)).tolist()) == [0, 2]
