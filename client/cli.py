@@ -548,6 +548,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         worker_args=tuple(worker_args),
         startup_timeout=args.timeout,
         grace_seconds=args.grace_seconds,
+        datastore=args.datastore,
+        datastore_port=args.datastore_port,
     )
     state_dir = _stack_dir(args)
     try:
@@ -783,6 +785,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints")
     u.add_argument("--redis-port", type=int, default=6380, help="0 = a free port")
     u.add_argument("--no-redis", action="store_true", help="workers run without a registry")
+    u.add_argument("--datastore", help="a datastore version: one shard server per shard, used by the workers")
+    u.add_argument("--datastore-port", type=int, default=50061, help="first shard's port (0 = free ports)")
     u.add_argument("--max-concurrent", type=_positive_int, default=4, help="per worker")
     u.add_argument("--grace-seconds", type=float, default=30.0, help="each worker's drain time on down")
     u.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for SERVING")

@@ -59,12 +59,16 @@ class StackConfig:
     """Seconds to wait for every worker to load its model and report SERVING."""
     grace_seconds: float = 30.0
     """Drain time given to each worker on ``down``."""
+    datastore: str | None = None
+    """A datastore version directory: one shard server per shard, and workers use them for rest."""
+    datastore_port: int = 50061
+    """gRPC port of the first shard server (counting up); 0 = free ports."""
 
 
 @dataclass
 class Process:
     name: str
-    kind: str  # "redis" | "worker"
+    kind: str  # "redis" | "datastore" | "worker"
     pid: int
     address: str
     log: str
@@ -80,6 +84,9 @@ class StackState:
 
     def workers(self) -> list[Process]:
         return [p for p in self.processes if p.kind == "worker"]
+
+    def shards(self) -> list[Process]:
+        return [p for p in self.processes if p.kind == "datastore"]
 
     def worker_addresses(self) -> list[str]:
         return [p.address for p in self.workers()]
@@ -239,10 +246,11 @@ def _stop(procs: Sequence[Process], sig: int, timeout: float) -> list[Process]:
 
 
 def stop_processes(procs: Sequence[Process], grace_seconds: float) -> None:
-    """Workers first (SIGTERM: drain), then the rest; SIGKILL whatever outlives its grace."""
+    """Workers first (SIGTERM: drain), then shards, then the rest; SIGKILL what outlives its grace."""
     workers = [p for p in procs if p.kind == "worker"]
-    others = [p for p in procs if p.kind != "worker"]
-    for group, grace in ((workers, grace_seconds + 10.0), (others, 10.0)):
+    shards = [p for p in procs if p.kind == "datastore"]
+    others = [p for p in procs if p.kind not in ("worker", "datastore")]
+    for group, grace in ((workers, grace_seconds + 10.0), (shards, 20.0), (others, 10.0)):
         stubborn = _stop(group, signal.SIGTERM, grace)
         _stop(stubborn, signal.SIGKILL, 5.0)
 
@@ -279,6 +287,14 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                 _wait_redis(proc, 30.0)
                 state.registry = f"redis://127.0.0.1:{port}/0"
                 say(f"redis      {proc.address}  (pid {proc.pid})")
+        datastore_addr = ""
+        if cfg.datastore:
+            shards = _start_shards(cfg, state, state_dir, logs)
+            say(f"waiting for {len(shards)} datastore shard(s) to load and report SERVING ...")
+            _wait_serving(shards, cfg.startup_timeout)
+            for proc in shards:
+                say(f"{proc.name:10s} {proc.address}  (pid {proc.pid})")
+            datastore_addr = ",".join(p.address for p in shards)
         workers = []
         for i in range(cfg.workers):
             port = _port(cfg.worker_port, i)
@@ -293,6 +309,8 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                 metrics = f"http://127.0.0.1:{mport}/metrics"
             if state.registry:
                 argv += ["--registry", state.registry]
+            if datastore_addr:
+                argv += ["--datastore-addr", datastore_addr]
             argv += list(cfg.worker_args)
             proc = _spawn(f"worker-{i}", "worker", argv, f"127.0.0.1:{port}", logs / f"worker-{i}.log")
             proc.metrics = metrics
@@ -310,6 +328,29 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
         with contextlib.suppress(OSError):
             (state_dir / STATE_FILE).unlink()
         raise
+
+
+def _start_shards(cfg: StackConfig, state: StackState, state_dir: Path, logs: Path) -> list[Process]:
+    assert cfg.datastore is not None
+    manifest = Path(cfg.datastore) / "manifest.json"
+    try:
+        count = len(json.loads(manifest.read_text())["shards"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StackError(f"{cfg.datastore} is not a datastore version ({exc})") from None
+    shards = []
+    for i in range(count):
+        port = _port(cfg.datastore_port, i)
+        if _port_in_use(port):
+            raise StackError(
+                f"port {port} for datastore shard {i} is in use; choose another with --datastore-port"
+            )
+        argv = [sys.executable, "-m", "client.cli", "serve", "datastore", "--datastore", str(cfg.datastore)]
+        argv += ["--shard", str(i), "--port", str(port)]
+        proc = _spawn(f"shard-{i}", "datastore", argv, f"127.0.0.1:{port}", logs / f"shard-{i}.log")
+        state.processes.append(proc)
+        shards.append(proc)
+        write_state(state_dir, state)
+    return shards
 
 
 def down(state_dir: Path, grace_seconds: float = 30.0) -> StackState | None:

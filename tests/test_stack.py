@@ -138,3 +138,28 @@ def test_a_worker_that_cannot_start_stops_the_whole_stack(tmp_path: Path) -> Non
         up(cfg, tmp_path)
     assert read_state(tmp_path) is None
     assert _processes_mentioning(str(tmp_path)) == []  # redis (started with --dir tmp_path) is gone
+
+
+def test_up_with_a_datastore_serves_rest_through_shard_servers(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"step {i}: add {i} to the total"}) for i in range(50)))
+    version = tmp_path / "v1"
+    argv = ["datastore", "build", "--corpus", str(corpus), "--out", str(version), "--shards", "2", "--quiet"]
+    assert main([*argv, "--model", str(tiny_dir)]) == 0
+    capsys.readouterr()
+    cfg = tiny_stack_config(
+        tiny_dir, workers=1, redis=False, metrics_port=None, datastore=str(version), datastore_port=0
+    )
+    state_dir = tmp_path / "stack"
+    state = up(cfg, state_dir)
+    try:
+        assert [p.kind for p in state.processes] == ["datastore", "datastore", "worker"]
+        request = build_request(text="step 3: add 3", options=RequestOptions(mode="rest", max_new_tokens=8))
+        with GenerationClient(state.worker_addresses(), timeout=60) as client:
+            assert "rest" in [m.name for m in client.list_modes().modes if m.available]
+            assert client.generate(request).datastore_version == "v1"
+    finally:
+        down(state_dir, grace_seconds=5.0)
+    assert not any(is_alive(p) for p in state.processes)
