@@ -772,6 +772,13 @@ def test_worker_args_parse_with_the_cli(
     assert redis_url, args.registry
     redis_svc = find(docs, "Service", redis_url.group(1))
     assert int(redis_url.group(2)) in [p["port"] for p in redis_svc["spec"]["ports"]]
+    # one address per shard: the StatefulSet's pods behind its headless Service, on its grpc port
+    sts = by_component(docs, "datastore")
+    shard_port = container_ports(main_container(sts))["grpc"]
+    service = sts["spec"]["serviceName"]
+    name, replicas = sts["metadata"]["name"], sts["spec"]["replicas"]
+    expected = [f"{name}-{i}.{service}:{shard_port}" for i in range(replicas)]
+    assert args.datastore_addr.split(",") == expected
 
 
 def test_datastore_args_parse_with_the_cli(
@@ -844,6 +851,7 @@ def test_rebuild_job_builds_then_swaps(docs: tuple[Manifest, ...]) -> None:
     build_at, swap_at = script.find("datastore build"), script.find("datastore swap")
     assert 0 <= build_at < swap_at, "the job must run `datastore build`, then `datastore swap`"
     assert '--shards "$SHARDS"' in script
+    assert "--datastore-addr" in script[swap_at:], "the swap must reach every shard"
     sources = {e["configMapRef"]["name"] for e in container.get("envFrom", [])}
     assert "specdraft-datastore" in sources
 
