@@ -2,8 +2,9 @@
 
 One request at a time per ``SequenceState``; every mode, ``ar`` included, runs the same loop
 (``ar``'s drafter proposes nothing, so each step verifies the root alone and yields the bonus
-token). The engine never looks at a mode's name: it asks the registry for a drafter and the
-planner for how much of its draft to verify.
+token). The engine never looks at a mode's name: it asks the registry for a drafter, the
+planner for how much of its draft to verify, and ``llm_worker.verify.steps`` for how to verify
+what kind of draft it got (a tree: one forward with a tree mask; a batch: D rows of one forward).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch
 from llm_worker.config import EngineConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
-from llm_worker.planner import CostCurve, DraftPlanner, load_or_measure
+from llm_worker.planner import CostCurve, DraftBudget, DraftPlanner, load_or_measure
 from llm_worker.sampling import make_generator, sample, warp_logits
 from llm_worker.stats import GenerationStats
-from llm_worker.types import NO_SOURCE, ArtifactNeeds, CopiedSpan, DraftTree, Provenance
-from llm_worker.verify.tree import tree_buffers
-from llm_worker.verify.verifier import verify_greedy, verify_sampling
+from llm_worker.types import NO_SOURCE, ArtifactNeeds, CopiedSpan, Draft, DraftTree, Provenance
+from llm_worker.verify.steps import decider, verification_for
+
+NO_BUDGET = DraftBudget(0, 0)
 
 
 def _top_probability(logits: torch.Tensor) -> float:
@@ -281,6 +283,7 @@ class Engine:
         needs = drafter.needs
         sampling = req.sampling
         gen = make_generator(sampling.seed)
+        decide = decider(sampling, gen)
         stats = GenerationStats()
         began = time.perf_counter()
 
@@ -299,48 +302,34 @@ class Engine:
         while not out.finish:
             # propose
             t0 = time.perf_counter()
-            tree = DraftTree.empty()
-            budget = planner.budget(req.max_new_tokens - len(out.generated)) if planner is not None else 0
-            if req.draft_budget is not None:
-                budget = min(budget, req.draft_budget)
-            if planner is not None and budget > 0:
+            draft: Draft = DraftTree.empty()
+            remaining = req.max_new_tokens - len(out.generated)
+            budget = planner.step_budget(remaining, req.draft_budget) if planner is not None else NO_BUDGET
+            if planner is not None and budget.tree_nodes > 0:
                 ctx = DraftContext(
                     out.context(),
-                    budget,
+                    budget.tree_nodes,
                     hidden=artifacts.hidden if needs.hidden_layers else None,
                     attention=artifacts.attention if needs.query_heads else None,
                     request_state=request_state,
                 )
                 with rt.lock:
-                    tree = drafter.propose(ctx)
-                    if len(tree):
-                        tree = planner.plan(tree, out.length, confidence, max_nodes=budget).tree
-            # one target forward over the root and the draft
+                    draft = drafter.propose(ctx)
+                    if len(draft):
+                        draft = verification_for(draft).plan(planner, draft, out.length, confidence, budget)
+            # one target forward over the root and the draft, verify, commit
             t1 = time.perf_counter()
-            inputs = torch.tensor((out.root, *tree.tokens), dtype=torch.long)
-            fwd = target.forward(state, inputs, tree_buffers(tree.parents) if len(tree) else None, needs)
-            # verify
-            if sampling.greedy:
-                result = verify_greedy(fwd.logits.argmax(dim=-1).tolist(), tree)
-            else:
-                result = verify_sampling(warp_logits(fwd.logits, sampling), tree, gen)
-            # commit
-            rows = [0] + [node + 1 for node in result.accepted]
-            target.commit(state, rows)
-            artifacts.record(fwd, rows)
-            step_confidence, confidence = confidence, _top_probability(fwd.logits[rows[-1]])
+            step = verification_for(draft).step(target, state, out.root, draft, needs, decide)
+            artifacts.record(step.forward, step.rows)
+            step_confidence, confidence = confidence, _top_probability(step.forward.logits[step.rows[-1]])
             t2 = time.perf_counter()
 
-            emitted = out.emit(
-                [tree.tokens[node] for node in result.accepted] + [result.bonus],
-                [tree.source(node) for node in result.accepted] + [NO_SOURCE],
-                drafter.name,
-            )
-            stats.observe_step(len(tree), result.num_accepted, len(emitted), t1 - t0, t2 - t1)
-            if len(tree) and planner is not None:
+            emitted = out.emit(step.tokens, step.sources, drafter.name)
+            stats.observe_step(len(draft), step.result.num_accepted, len(emitted), t1 - t0, t2 - t1)
+            if len(draft) and planner is not None:
                 with rt.lock:
-                    planner.observe(tree, result, step_confidence)
-                    drafter.observe(tree, result)
+                    planner.observe(step.decided, step.result, step_confidence)
+                    drafter.observe(step.decided, step.result)
             yield StepOutput(emitted)
 
         stats.seconds = time.perf_counter() - began

@@ -13,7 +13,8 @@ the expected tokens of a step that verifies nodes S is E(S) = 1 + Σ_{v∈S} P(v
 always comes). The planner keeps the most likely nodes (a prefix of the nodes sorted by P, which
 is a valid subtree because P never grows down a path) and chooses how many to keep by maximising
 E(S) / t(1 + |S|, L). On a GPU, where t is nearly flat, that means long drafts; on this CPU, where
-t(65) ≈ 4·t(1), it means short ones unless the drafter is often right.
+t(65) ≈ 4·t(1), it means short ones unless the drafter is often right. A batch of drafts is priced
+by the positions its forward computes, t(D·(1 + L)) (``plan_batch``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from llm_worker.config import CostConfig, PlannerConfig
 from llm_worker.model.loading import cache_root
 from llm_worker.model.target import TargetModel
-from llm_worker.types import ArtifactNeeds, DraftTree, Outcome, VerifyResult
+from llm_worker.types import ArtifactNeeds, DraftBatch, DraftTree, Outcome, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +208,40 @@ class AcceptanceModel:
                 entry[1] = entry[1] * decay + 1.0
 
 
+@dataclass(frozen=True)
+class DraftBudget:
+    """How much one step may draft.
+
+    ``tokens``: most draft tokens one forward may verify (the planner's cap, the measured range
+    of the cost curve, the request's ``draft_budget``). ``depth``: most draft tokens one path
+    can still turn into output (remaining tokens - 1: the bonus token always comes). A tree or a
+    chain is capped by both at once (``tree_nodes``); a batch computes rows side by side, so its
+    rows are cut at ``depth`` and its size is capped by ``tokens`` alone.
+
+    Example: 2 tokens left, a cap of 64 → depth 1: a chain of one token, or a batch of up to 32
+    one-token rows (D·(1 + L) ≤ 65).
+    """
+
+    tokens: int
+    depth: int
+
+    @property
+    def tree_nodes(self) -> int:
+        return min(self.tokens, self.depth)
+
+
 @dataclass
 class Plan:
     tree: DraftTree  # the nodes to verify (possibly empty)
     expected_tokens: float  # E(S), bonus included
     expected_seconds: float  # t(1 + |S|, L)
+
+
+@dataclass
+class BatchPlan:
+    batch: DraftBatch  # the rows to verify, each cut to its kept part (possibly no rows)
+    expected_tokens: float  # E(S) over the rows' trie, bonus included
+    expected_seconds: float  # t(D·(1 + L), context)
 
 
 class DraftPlanner:
@@ -225,7 +255,32 @@ class DraftPlanner:
 
     def budget(self, remaining_tokens: int) -> int:
         """Most draft tokens worth asking for: never more than can still be emitted."""
-        return max(0, min(self.cfg.max_draft_tokens, self.curve.sizes[-1] - 1, remaining_tokens - 1))
+        return self.step_budget(remaining_tokens).tree_nodes
+
+    def step_budget(self, remaining_tokens: int, draft_budget: int | None = None) -> DraftBudget:
+        """This step's ``DraftBudget``; ``draft_budget``: the request's own cap on draft tokens."""
+        tokens = min(self.cfg.max_draft_tokens, self.curve.sizes[-1] - 1)
+        if draft_budget is not None:
+            tokens = min(tokens, draft_budget)
+        return DraftBudget(max(0, tokens), max(0, remaining_tokens - 1))
+
+    def _reach(self, tree: DraftTree, confidence: float) -> list[float]:
+        """P(node accepted) for every node: the product of conditional chances along its path."""
+        depths = tree.depths()
+        reach: list[float] = []
+        for node, parent in enumerate(tree.parents):
+            p = self.acceptance.p(tree.feature(node), depths[node], confidence)
+            reach.append(p * (reach[parent] if parent >= 0 else 1.0))
+        return reach
+
+    def _explore(self) -> bool:
+        """When nothing pays: verify one node anyway every 16th time, so that a feature judged
+        hopeless can prove otherwise."""
+        self._skipped += 1
+        return self._skipped % 16 == 0
+
+    def _limit(self, max_nodes: int | None) -> int:
+        return self.cfg.max_draft_tokens if max_nodes is None else min(max_nodes, self.cfg.max_draft_tokens)
 
     def plan(
         self, tree: DraftTree, context: int, confidence: float = 1.0, max_nodes: int | None = None
@@ -239,30 +294,95 @@ class DraftPlanner:
         base = self.curve.t(1, context)
         if not len(tree):
             return Plan(tree, 1.0, base)
-        depths = tree.depths()
-        reach: list[float] = []
-        for node, parent in enumerate(tree.parents):
-            p = self.acceptance.p(tree.feature(node), depths[node], confidence)
-            reach.append(p * (reach[parent] if parent >= 0 else 1.0))
+        reach = self._reach(tree, confidence)
         order = sorted(range(len(tree)), key=lambda v: (-reach[v], v))
         best_k, best_rate = 0, 1.0 / base * self.cfg.min_gain
         expected = 1.0
-        limit = self.cfg.max_draft_tokens if max_nodes is None else min(max_nodes, self.cfg.max_draft_tokens)
-        for k, node in enumerate(order[:limit], start=1):
+        for k, node in enumerate(order[: self._limit(max_nodes)], start=1):
             expected += reach[node]
             rate = expected / self.curve.t(1 + k, context)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
-            # Explore now and then, so that a feature judged hopeless can prove otherwise.
-            self._skipped += 1
-            if self._skipped % 16 != 0:
+            if not self._explore():
                 return Plan(DraftTree.empty(), 1.0, base)
             best_k = 1
         keep = order[:best_k]
         chosen = tree.subtree(keep)
         e = 1.0 + sum(reach[v] for v in keep)
         return Plan(chosen, e, self.curve.t(1 + len(keep), context))
+
+    def plan_batch(
+        self,
+        batch: DraftBatch,
+        context: int,
+        confidence: float = 1.0,
+        max_nodes: int | None = None,
+        max_depth: int | None = None,
+    ) -> BatchPlan:
+        """The rows of ``batch`` worth verifying, each cut to the part worth its cost.
+
+        The same expected-gain rule as ``plan``, priced as a batch. The verdict is taken on the
+        rows' trie, so a kept node set S still yields E(S) = 1 + Σ_{v∈S} P(v); but the forward
+        computes every row in full, D rows of 1 + L columns, so it costs t(D·(1 + L)) rather
+        than t(1 + |S|). Nodes are added most likely first (a parent before its children, so S
+        stays a tree); D is the number of S's leaves (each leaf is the end of one row: a row is
+        its first containing row cut at the leaf) and L its depth. The size with the best
+        E(S) / t(D·(1 + L)) wins.
+
+        ``max_nodes`` (``DraftBudget.tokens``, capped by ``max_draft_tokens``) bounds the
+        positions computed: D·(1 + L) ≤ 1 + max_nodes, the size of the largest tree step, so a
+        batch never costs more than that tree would, and its draft tokens never exceed the budget.
+        ``max_depth`` (``DraftBudget.depth``) cuts every row first: tokens past it cannot be output.
+
+        The price assumes a real batched forward (the fast backend). A backend on the default
+        ``forward_batch`` runs the rows as a tree of 1 + Σ lengths positions, cheaper: there the
+        plan is conservative, and ``rest`` (the same candidates as a merged tree) is the better mode.
+
+        Example: rows (5, 6, 7) and (5, 8), every node P = 0.9·parent: S = {5} is one row of
+        length 1 (2 positions); adding 6 makes it (5, 6) (3 positions); adding 8 makes the rows
+        (5, 6), (5, 8) (6 positions).
+        """
+        base = self.curve.t(1, context)
+        if max_depth is not None:
+            batch = batch.truncated([(r, min(len(row), max_depth)) for r, row in enumerate(batch.rows)])
+        if not len(batch):
+            return BatchPlan(DraftBatch.empty(), 1.0, base)
+        trie = batch.trie()
+        tree = trie.tree
+        reach = self._reach(tree, confidence)
+        depths = tree.depths()
+        order = sorted(range(len(tree)), key=lambda v: (-reach[v], v))
+        positions_limit = 1 + self._limit(max_nodes)
+        kept_children = [0] * len(tree)
+        best_k, best_rate = 0, 1.0 / base * self.cfg.min_gain
+        expected, leaves, deepest = 1.0, 0, 0
+        sizes = []  # [k] positions the forward computes with the first k nodes of ``order``
+        for node in order:
+            parent = tree.parents[node]
+            if parent < 0 or kept_children[parent] > 0:
+                leaves += 1  # a new row; otherwise the parent's row grows by one token
+            if parent >= 0:
+                kept_children[parent] += 1
+            deepest = max(deepest, depths[node])
+            positions = leaves * (1 + deepest)
+            if positions > positions_limit:
+                break
+            sizes.append(positions)
+            expected += reach[node]
+            rate = expected / self.curve.t(positions, context)
+            if rate > best_rate:
+                best_k, best_rate = len(sizes), rate
+        if best_k == 0:
+            if not sizes or not self._explore():
+                return BatchPlan(DraftBatch.empty(), 1.0, base)
+            best_k = 1
+        keep = set(order[:best_k])
+        has_kept_child = {tree.parents[v] for v in keep}
+        leaf_rows = sorted((trie.first_row[v], depths[v]) for v in keep if v not in has_kept_child)
+        chosen = batch.truncated(leaf_rows)
+        e = 1.0 + sum(reach[v] for v in keep)
+        return BatchPlan(chosen, e, self.curve.t(sizes[best_k - 1], context))
 
     def observe(self, tree: DraftTree, result: VerifyResult, confidence: float = 1.0) -> None:
         self.acceptance.observe(tree, result, confidence)

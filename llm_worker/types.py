@@ -4,8 +4,9 @@ Terms used throughout:
 
 - *root*: the last committed token. Its KV entry is not in the cache yet; every forward starts
   with it, and its logits predict the first draft token.
-- *draft tree*: draft tokens hanging off the root. A chain is a tree with one branch; a batch
-  of drafts is a tree whose branches share only the root.
+- *draft tree*: draft tokens hanging off the root. A chain is a tree with one branch.
+- *draft batch*: D drafts verified side by side as the D rows of one batched forward (each row
+  the root followed by one draft); the verifier decides on their trie (``DraftBatch.trie``).
 - *accepted*: a draft token the verifier kept. *Bonus* token: the one token the target itself
   supplies after the last accepted node (its argmax, or a sample from its — possibly
   residual — distribution). Every verify step therefore yields accepted + 1 tokens.
@@ -147,6 +148,99 @@ class DraftTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+
+@dataclass(frozen=True)
+class BatchTrie:
+    """The rows of a ``DraftBatch`` merged into a tree, and where each node was computed.
+
+    Node i sits at column ``depth(i)`` of row ``first_row[i]`` of the batched forward (column 0
+    is the root), the first row whose path contains it.
+    """
+
+    tree: DraftTree  # shared prefixes once; the first row's source and feature win
+    first_row: tuple[int, ...]  # [num_nodes] first batch row containing the node
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """Drafts verified as the D rows of one batched forward (batch verification, DReSD Fig. 3).
+
+    Row r is a token path from the root. The target computes every row in full (input
+    ``[D, 1 + L]``: the root, then row r padded to the longest row L), each row attending to the
+    shared KV cache and causally to its own tokens; the verdict is taken on the rows' trie and
+    the KV of one row holding the accepted path is committed (``llm_worker.verify.batch``).
+    Drafters build rows only, never masks.
+
+    Example: rows ((5, 6, 7), (5, 8)) → forward input [[root, 5, 6, 7], [root, 5, 8, pad]]; the
+    trie has tokens (5, 6, 7, 8), parents (-1, 0, 1, 0) and first rows (0, 0, 0, 1).
+    """
+
+    rows: tuple[tuple[int, ...], ...]  # [D][len_r], every len_r >= 1
+    sources: tuple[tuple[int, ...], ...] = ()  # [D][len_r] context position copied from, -1 = none
+    features: tuple[tuple[str, ...], ...] = ()  # [D][len_r] drafter's key for calibrated acceptance
+
+    def __post_init__(self) -> None:
+        lengths = [len(row) for row in self.rows]
+        if any(n == 0 for n in lengths):
+            raise ValueError("a batch row must hold at least one draft token")
+        for name in ("sources", "features"):
+            per_row = getattr(self, name)
+            if per_row and [len(r) for r in per_row] != lengths:
+                raise ValueError(f"{name} must give one entry per token of every row")
+
+    def __len__(self) -> int:
+        """Draft tokens in all rows (a prefix two rows share counts twice: both rows compute it)."""
+        return sum(len(row) for row in self.rows)
+
+    @staticmethod
+    def empty() -> DraftBatch:
+        return DraftBatch(())
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def max_length(self) -> int:
+        """L: the longest row."""
+        return max((len(row) for row in self.rows), default=0)
+
+    def padded(self, pad: int) -> torch.Tensor:
+        """[D, L] long: the rows, right-padded with ``pad``."""
+        out = torch.full((self.num_rows, self.max_length), int(pad), dtype=torch.long)
+        for r, row in enumerate(self.rows):
+            out[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return out
+
+    def trie(self) -> BatchTrie:
+        """The rows merged into a draft tree (shared prefixes once), with each node's first row."""
+        tree = DraftTree.from_sequences(self.rows, self.sources, self.features)
+        child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens, strict=True))}
+        first_row = [-1] * len(tree)
+        for r, row in enumerate(self.rows):
+            node = -1
+            for token in row:
+                node = child[(node, token)]
+                if first_row[node] < 0:
+                    first_row[node] = r
+        return BatchTrie(tree, tuple(first_row))
+
+    def truncated(self, keep: Sequence[tuple[int, int]]) -> DraftBatch:
+        """Rows ``(row, length)``: row ``row`` cut to its first ``length`` tokens, in that order.
+
+        A row cut to nothing is dropped.
+        """
+        keep = [(r, n) for r, n in keep if n > 0]
+        return DraftBatch(
+            tuple(self.rows[r][:n] for r, n in keep),
+            tuple(self.sources[r][:n] for r, n in keep) if self.sources else (),
+            tuple(self.features[r][:n] for r, n in keep) if self.features else (),
+        )
+
+
+Draft = DraftTree | DraftBatch
+"""What a drafter proposes: a tree (chains included) or a batch of rows."""
 
 
 class Outcome(IntEnum):

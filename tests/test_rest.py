@@ -39,7 +39,7 @@ def rest_engine(target: TargetModel, retriever: LocalRetriever, curve: CostCurve
     )
 
 
-REST_MODES = ["rest", "rest:c_max=4:l=6:nodes=12", "rest:n=4:d=2"]
+REST_MODES = ["rest", "rest:c_max=4:l=6:nodes=12", "rest:n=4:d=2", "rest-batch", "rest-batch:c_max=4:l=6:d=4"]
 
 
 CPU_CURVE = CostCurve.linear(0.05, 0.003)

@@ -1,8 +1,8 @@
 """The drafter protocol and the registry of drafting modes.
 
 A drafter sees the committed tokens (and, if it asks, model artifacts) and proposes a draft
-tree; it never builds attention masks and never sees logits. The engine looks modes up by
-name here — adding a drafter never means editing the engine.
+tree or a batch of draft rows; it never builds attention masks and never sees logits. The
+engine looks modes up by name here — adding a drafter never means editing the engine.
 
 A mode string is a registered name with optional ``:key=value`` options, e.g. ``pld``,
 ``pld+h:layer=12:theta=0.4``.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from llm_worker.types import ArtifactNeeds, DraftTree, VerifyResult
+from llm_worker.types import ArtifactNeeds, Draft, DraftTree, VerifyResult
 
 if TYPE_CHECKING:
     from llm_worker.model.target import TargetModel
@@ -77,11 +77,16 @@ class Drafter(ABC):
     proposes: bool = True  # False only for ``ar``: the engine then skips planning altogether
 
     @abstractmethod
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        """Draft up to ``ctx.budget`` tokens; an empty tree means "decode one token plainly"."""
+    def propose(self, ctx: DraftContext) -> Draft:
+        """Draft up to ``ctx.budget`` tokens; an empty draft means "decode one token plainly".
+
+        A ``DraftTree`` is verified in one forward with a tree mask, a ``DraftBatch`` as the
+        rows of one batched forward (``llm_worker.verify.steps``).
+        """
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:  # noqa: B027 - optional hook
-        """Feedback after verification (default: none)."""
+        """Feedback after verification (default: none). ``tree`` is what the verdict is about:
+        the proposed tree, or a batch's rows merged into their trie."""
 
 
 class Retriever(Protocol):

@@ -1,10 +1,12 @@
-"""``rest``: drafts retrieved from a datastore (REST), verified as one token tree.
+"""``rest`` / ``rest-batch``: drafts retrieved from a datastore (REST).
 
 The datastore (in process, or shards over gRPC) matches the longest suffix of the context in its
-corpus and returns the most frequent continuations with the count of every prefix; they merge
-into a draft tree whose nodes carry an acceptance feature (match length × frequency share), so
-the planner learns how often each kind of node is accepted and trims the tree to what pays on
-this machine.
+corpus and returns the most frequent continuations with the count of every prefix. ``rest``
+merges them into a draft tree, verified in one forward with a tree mask; ``rest-batch`` keeps
+them as the rows of a batch (each candidate the full path from the root), verified as the rows
+of one batched forward (DReSD's batch verification). Nodes carry an acceptance feature (match
+length × frequency share), so the planner learns how often each kind of node is accepted and
+trims the draft to what pays on this machine.
 
 A request is pinned to the datastore version that answered its first retrieval (a swap during
 the request does not mix versions); a datastore that fails or is slow costs drafts, never the
@@ -14,6 +16,7 @@ generation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from datastore_svc.retrieval import Retrieval, RetrievalConfig
 from llm_worker.drafters.base import (
@@ -26,7 +29,7 @@ from llm_worker.drafters.base import (
     int_option,
 )
 from llm_worker.model.target import TargetModel
-from llm_worker.types import DraftTree
+from llm_worker.types import Draft, DraftBatch, DraftTree
 
 log = logging.getLogger(__name__)
 VERSION_KEY = "datastore_version"
@@ -56,10 +59,31 @@ def candidates_tree(result: Retrieval) -> DraftTree:
     return DraftTree.from_sequences([c.tokens for c in result.candidates], features=node_features(result))
 
 
+def candidates_batch(result: Retrieval) -> DraftBatch:
+    """The candidates as batch rows, most frequent first (the datastore's order).
+
+    Example: candidates [4, 2] (counts 3, 2) and [7] (count 1) → rows ((4, 2), (7,)).
+    """
+    cands = [c for c in result.candidates if c.tokens]
+    if not cands:
+        return DraftBatch.empty()
+    features = [f for c, f in zip(result.candidates, node_features(result), strict=True) if c.tokens]
+    return DraftBatch(tuple(tuple(c.tokens) for c in cands), features=tuple(tuple(f) for f in features))
+
+
 class RestDrafter(Drafter):
-    def __init__(self, retriever: Retriever, cfg: RetrievalConfig) -> None:
+    """Retrieval, then ``shape`` turns the candidates into a draft: a tree (``rest``) or a batch
+    of rows (``rest-batch``)."""
+
+    def __init__(
+        self,
+        retriever: Retriever,
+        cfg: RetrievalConfig,
+        shape: Callable[[Retrieval], Draft] = candidates_tree,
+    ) -> None:
         self.retriever = retriever
         self.cfg = cfg
+        self.shape = shape
 
     def retrieve(self, ctx: DraftContext) -> Retrieval | None:
         pinned = str(ctx.request_state.get(VERSION_KEY, ""))
@@ -73,9 +97,9 @@ class RestDrafter(Drafter):
             ctx.request_state[VERSION_KEY] = version
         return result
 
-    def propose(self, ctx: DraftContext) -> DraftTree:
+    def propose(self, ctx: DraftContext) -> Draft:
         result = self.retrieve(ctx)
-        return candidates_tree(result) if result is not None else DraftTree.empty()
+        return self.shape(result) if result is not None else DraftTree.empty()
 
 
 def retrieval_config(options: dict[str, str]) -> RetrievalConfig:
@@ -83,7 +107,7 @@ def retrieval_config(options: dict[str, str]) -> RetrievalConfig:
         c_min=int_option(options, "c_min", 1, 1, 64),
         c_max=int_option(options, "c_max", 16, 1, 64),
         max_occurrences=int_option(options, "n", 256, 1, 100_000),
-        max_length=int_option(options, "l", 16, 1, 128),
+        max_length=int_option(options, "l", 10, 1, 128),
         max_nodes=int_option(options, "nodes", 64, 1, 1024),
         max_candidates=int_option(options, "d", 32, 1, 1024),
     )
@@ -103,3 +127,12 @@ def _retriever(resources: DraftResources) -> Retriever:
 )
 def _make_rest(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     return RestDrafter(_retriever(resources), retrieval_config(options))
+
+
+@DRAFTERS.register(
+    "rest-batch",
+    "REST drafts verified as a batch: the top-D continuations as the rows of one batched forward",
+    REST_OPTIONS,
+)
+def _make_rest_batch(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
+    return RestDrafter(_retriever(resources), retrieval_config(options), candidates_batch)

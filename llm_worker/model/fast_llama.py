@@ -6,7 +6,9 @@ what speculative decoding needs built in:
 - the KV cache is one preallocated buffer per request: a commit moves at most the accepted
   rows, never re-concatenates the whole cache;
 - any tree attention mask, position ids from tree depths;
-- the hidden state of any layer and the post-RoPE query of any head, at no extra cost.
+- the hidden state of any layer and the post-RoPE query of any head, at no extra cost;
+- a batch of D drafts as D rows of one forward over the shared cache, which is read in place,
+  never copied per row (``forward_batch`` / ``commit_batch``).
 
 q/k/v and gate/up projections are fused into one matrix each (the module weights become
 views of the fused matrices, so no memory is duplicated).
@@ -17,6 +19,7 @@ the context), qwen2 (q/k/v biases).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llm_worker.model.target import ForwardOutput, SequenceState, TargetInfo, TargetModel
+from llm_worker.model.target import BatchForwardOutput, ForwardOutput, SequenceState, TargetInfo, TargetModel
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
 
@@ -94,6 +97,8 @@ class _KVState(SequenceState):
         self.length = 0
         self.keys = keys  # [layers, 1, kv_heads, capacity, head_dim]
         self.values = values  # [layers, 1, kv_heads, capacity, head_dim]
+        self.batch_keys: torch.Tensor | None = None  # [layers, D, kv_heads, 1 + L, head_dim] last batch
+        self.batch_values: torch.Tensor | None = None  # [layers, D, kv_heads, 1 + L, head_dim]
 
 
 def _fuse(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
@@ -200,6 +205,18 @@ class FastLlamaTarget(TargetModel):
             state.values[:, :, :, dest] = state.values.index_select(3, index)
         state.length = start + len(rows)
 
+    def commit_batch(self, state: SequenceState, row: int, count: int) -> None:
+        """Copy columns 0 .. count - 1 of batch row ``row`` (root + accepted tokens) into the cache."""
+        assert isinstance(state, _KVState)
+        if state.batch_keys is None or state.batch_values is None:
+            raise RuntimeError("commit_batch without a forward_batch before it")
+        start = state.length
+        self._reserve(state, start + count)
+        state.keys[:, 0, :, start : start + count] = state.batch_keys[:, row, :, :count]
+        state.values[:, 0, :, start : start + count] = state.batch_values[:, row, :, :count]
+        state.length = start + count
+        state.batch_keys = state.batch_values = None
+
     # -- forward ----------------------------------------------------------------------------
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -212,6 +229,11 @@ class FastLlamaTarget(TargetModel):
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """h: [1, n, hidden] → h plus the layer's MLP output."""
+        gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
+        return h + layer.down(F.silu(gate) * up)
 
     def forward(
         self,
@@ -276,9 +298,7 @@ class FastLlamaTarget(TargetModel):
                 is_causal=causal,
                 enable_gqa=heads != kv_heads,
             )  # [1, heads, n, d]
-            h = h + layer.o(attn.transpose(1, 2).reshape(1, n, q_size))
-            gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = self._mlp(layer, h + layer.o(attn.transpose(1, 2).reshape(1, n, q_size)))
             if index + 1 in needs.hidden_layers and index + 1 < len(self.layers):
                 out.hidden[index + 1] = h[0]
         h = self._rms(h, self.norm)
@@ -289,4 +309,114 @@ class FastLlamaTarget(TargetModel):
         if last_logits_only:
             h = h[:, -1:]
         out.logits = self.lm_head(h)[0].float()
+        return out
+
+    @staticmethod
+    def _shared_prefix_attention(
+        q: torch.Tensor,  # [D, heads, M, head_dim] post-RoPE queries of the D rows, M = 1 + L
+        cached_k: torch.Tensor,  # [kv_heads, T, head_dim] the committed prefix, read in place
+        cached_v: torch.Tensor,  # [kv_heads, T, head_dim]
+        k: torch.Tensor,  # [D, kv_heads, M, head_dim] the rows' own keys
+        v: torch.Tensor,  # [D, kv_heads, M, head_dim]
+        own_mask: torch.Tensor,  # [D, 1, 1, M, M] bool, True = the query column may see the key column
+    ) -> torch.Tensor:
+        """Attention of every row over the shared prefix and its own columns: [D, heads, M, head_dim].
+
+        The prefix scores fold the batch into the query axis — [kv, D·group·M, d] @ [kv, d, T] —
+        which broadcasts the one cached K/V over the D rows without materialising D copies. The
+        rows' own scores are a small [D, kv, group, M, M] block; both join in one softmax.
+        Query head h reads KV head h // group, as in transformers' ``repeat_kv``.
+        """
+        rows, heads, m, head_dim = q.shape
+        kv = k.shape[1]
+        group, t = heads // kv, cached_k.shape[1]
+        scale = 1.0 / math.sqrt(head_dim)
+        qg = q.view(rows, kv, group, m, head_dim)  # [D, kv, group, M, d]
+        folded = qg.permute(1, 0, 2, 3, 4).reshape(kv, rows * group * m, head_dim)  # [kv, D·group·M, d]
+        prefix = torch.bmm(folded, cached_k.transpose(1, 2)).view(
+            kv, rows, group, m, t
+        )  # [kv, D, group, M, T]
+        own = torch.matmul(qg, k[:, :, None].transpose(-1, -2))  # [D, kv, group, M, M]
+        own = own.masked_fill(~own_mask, float("-inf"))
+        scores = (
+            torch.cat((prefix.permute(1, 0, 2, 3, 4), own), dim=-1).float() * scale
+        )  # [D, kv, group, M, T + M]
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        p_prefix = (
+            probs[..., :t].permute(1, 0, 2, 3, 4).reshape(kv, rows * group * m, t)
+        )  # [kv, D·group·M, T]
+        out = torch.bmm(p_prefix, cached_v).view(kv, rows, group, m, head_dim).permute(1, 0, 2, 3, 4)
+        out = out + torch.matmul(probs[..., t:], v[:, :, None])  # [D, kv, group, M, d]
+        return out.reshape(rows, heads, m, head_dim)
+
+    def forward_batch(
+        self,
+        state: SequenceState,
+        tokens: torch.Tensor,
+        lengths: Sequence[int],
+        needs: ArtifactNeeds,
+    ) -> BatchForwardOutput:
+        """D drafts as the D rows of one forward over the shared cache (see ``TargetModel``).
+
+        Input [D, M] (M = 1 + L: the root, then row r, right-padded). All D·M positions go through
+        the projections and MLPs as one [1, D·M, hidden] activation; attention splits per row:
+        the committed prefix, read in place by every row (``_shared_prefix_attention``), plus the
+        row's own columns, causally. A padding key is masked too; with trailing padding the
+        causal mask already hides it from every real column, and pad columns, which nobody
+        reads, still see the root, so no query is left without a key.
+
+        The rows' new K/V stay aside ([layers, D, kv, M, d]) until ``commit_batch`` copies the
+        chosen row's accepted columns into the cache; a step that commits nothing costs no copy.
+        """
+        assert isinstance(state, _KVState)
+        info = self.info
+        rows, m = int(tokens.shape[0]), int(tokens.shape[1])
+        start = state.length
+        if start + m - 1 >= info.max_context:
+            raise ValueError(f"context of {start + m} tokens exceeds the model's limit of {info.max_context}")
+        heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
+        dev = self.device
+
+        positions = (torch.arange(m) + start).to(dev)[None]  # [1, M]: column c at start + c
+        h = self.embed(tokens.to(dev).reshape(1, rows * m))  # [1, D·M, hidden]
+        cos, sin = self.rotary(h, positions)  # [1, M, head_dim]
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, M, head_dim], the same for every row
+        col = torch.arange(m, device=dev)
+        real = col[None, :] <= torch.tensor(list(lengths), device=dev)[:, None]  # [D, M] root + draft
+        own_mask = (col[:, None] >= col[None, :])[None] & real[:, None, :]  # [D, M (query), M (key)]
+        own_mask = own_mask[:, None, None]  # [D, 1, 1, M, M]
+
+        new_shape = (info.num_layers, rows, kv_heads, m, head_dim)
+        new_keys = torch.empty(new_shape, dtype=self.dtype, device=dev)  # [layers, D, kv, M, d]
+        new_values = torch.empty(new_shape, dtype=self.dtype, device=dev)  # [layers, D, kv, M, d]
+
+        wanted_heads: dict[int, list[int]] = {}
+        for layer_index, head in needs.query_heads:
+            wanted_heads.setdefault(layer_index, []).append(head)
+        out = BatchForwardOutput(logits=torch.empty(0))
+        if 0 in needs.hidden_layers:
+            out.hidden[0] = h[0].view(rows, m, -1)
+
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._rms(h, layer.ln_attn))  # [1, D·M, (heads + 2 kv) * head_dim]
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = self._rotate(q.view(rows, m, heads, head_dim).transpose(1, 2), cos, sin)  # [D, heads, M, d]
+            k = self._rotate(k.view(rows, m, kv_heads, head_dim).transpose(1, 2), cos, sin)  # [D, kv, M, d]
+            v = v.view(rows, m, kv_heads, head_dim).transpose(1, 2)  # [D, kv, M, d]
+            new_keys[index] = k
+            new_values[index] = v
+            for head in wanted_heads.get(index, ()):
+                out.queries[(index, head)] = q[:, head]
+            attn = self._shared_prefix_attention(
+                q, state.keys[index, 0, :, :start], state.values[index, 0, :, :start], k, v, own_mask
+            )  # [D, heads, M, d]
+            h = self._mlp(layer, h + layer.o(attn.transpose(1, 2).reshape(1, rows * m, q_size)))
+            if index + 1 in needs.hidden_layers and index + 1 < len(self.layers):
+                out.hidden[index + 1] = h[0].view(rows, m, -1)
+        h = self._rms(h, self.norm)
+        if len(self.layers) in needs.hidden_layers:
+            out.hidden[len(self.layers)] = h[0].view(rows, m, -1)
+        out.logits = self.lm_head(h)[0].float().view(rows, m, -1)  # [D, M, vocab]
+        state.batch_keys, state.batch_values = new_keys, new_values
         return out

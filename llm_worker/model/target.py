@@ -4,6 +4,11 @@ A forward appends KV entries for its rows after the committed prefix; ``commit(r
 the rows named (the root and the accepted path, in order) and drops the rest, so after a tree
 step the cache holds exactly the committed sequence. Nothing is committed implicitly.
 
+A batch of drafts runs through ``forward_batch`` (D rows side by side, each the root then one
+draft) and ``commit_batch`` (the root and accepted tokens of one row). The fast backend computes
+the rows as a real batch over the shared cache; the default here, which ``HFTarget`` uses, runs
+the equivalent tree forward of the unmerged rows.
+
 Two implementations: ``FastLlamaTarget`` (``llm_worker.model.fast_llama``) for Llama-family
 checkpoints, and ``HFTarget`` here, which drives any transformers causal LM through its own
 forward and ``DynamicCache``.
@@ -21,7 +26,7 @@ from typing import Any
 import torch
 
 from llm_worker.types import ArtifactNeeds
-from llm_worker.verify.tree import TreeBuffers
+from llm_worker.verify.tree import TreeBuffers, tree_buffers
 
 
 @dataclass(frozen=True)
@@ -50,10 +55,31 @@ class ForwardOutput:
     )  # (layer, head) -> [n, head_dim]
 
 
+@dataclass
+class BatchForwardOutput:
+    """A batched forward's output: row r is the root, then draft row r (padded to L)."""
+
+    logits: torch.Tensor  # [D, 1 + L, vocab] float32; columns past a row's length are padding
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [D, 1 + L, hidden_size]
+    queries: dict[tuple[int, int], torch.Tensor] = field(
+        default_factory=dict
+    )  # (layer, head) -> [D, 1 + L, head_dim]
+
+    def row(self, r: int) -> ForwardOutput:
+        """Row r as a chain forward's output: [1 + L, ...] per field."""
+        return ForwardOutput(
+            self.logits[r],
+            {layer: h[r] for layer, h in self.hidden.items()},
+            {key: q[r] for key, q in self.queries.items()},
+        )
+
+
 class SequenceState:
     """One request's KV cache; ``length`` counts committed positions."""
 
     length: int = 0
+    batch_rows: list[list[int]] | None = None
+    """After the default ``forward_batch``: the tree-forward rows of each batch row's positions."""
 
 
 class TargetModel(ABC):
@@ -80,6 +106,55 @@ class TargetModel(ABC):
     @abstractmethod
     def commit(self, state: SequenceState, rows: Sequence[int]) -> None:
         """Keep the KV of ``rows`` (ascending row indices of the last forward), drop the rest."""
+
+    def forward_batch(
+        self,
+        state: SequenceState,
+        tokens: torch.Tensor,  # [D, 1 + L] long: column 0 the root (the same in every row), then row r
+        lengths: Sequence[int],  # [D] draft tokens of each row; columns past 1 + lengths[r] are padding
+        needs: ArtifactNeeds,
+    ) -> BatchForwardOutput:
+        """Run D drafts side by side after the committed prefix; nothing is committed.
+
+        Row r's column c sits at position length + c and sees the committed prefix and columns
+        0..c of its own row, never another row. Logits at padding columns are garbage.
+
+        This default is a fallback, not a batch: it runs the equivalent *tree* forward of the
+        unmerged rows — the root once, every row its own branch, no padding, 1 + Σ lengths rows
+        — through ``forward``, and scatters the result into [D, 1 + L]. The numbers are those of
+        the batch (each position sees exactly the same keys); only the layout differs. Backends
+        with a real batched forward over a shared cache override it (``FastLlamaTarget``).
+        """
+        d, width = int(tokens.shape[0]), int(tokens.shape[1])
+        flat = [int(tokens[0, 0])]
+        parents: list[int] = []
+        index = torch.zeros(d, width, dtype=torch.long)  # [D, 1 + L] row of the tree forward; pads → 0
+        batch_rows = []
+        for r in range(d):
+            rows = [0]
+            parent = -1
+            for c in range(1, 1 + int(lengths[r])):
+                flat.append(int(tokens[r, c]))
+                parents.append(parent)
+                parent = len(flat) - 2  # the node just added
+                rows.append(len(flat) - 1)
+            index[r, : len(rows)] = torch.tensor(rows)
+            batch_rows.append(rows)
+        out = self.forward(state, torch.tensor(flat), tree_buffers(tuple(parents)), needs)
+        state.batch_rows = batch_rows
+        return BatchForwardOutput(
+            out.logits[index],
+            {layer: h[index] for layer, h in out.hidden.items()},
+            {key: q[index] for key, q in out.queries.items()},
+        )
+
+    def commit_batch(self, state: SequenceState, row: int, count: int) -> None:
+        """Keep columns 0 .. count - 1 (the root and count - 1 draft tokens) of batch row ``row``."""
+        if state.batch_rows is None:
+            raise RuntimeError("commit_batch without a forward_batch before it")
+        rows = state.batch_rows[row][:count]
+        state.batch_rows = None
+        self.commit(state, rows)
 
     def keys(self, state: SequenceState, layer: int) -> torch.Tensor:
         """Post-RoPE keys of committed positions: [num_kv_heads, length, head_dim]."""
@@ -154,6 +229,12 @@ class HFTarget(TargetModel):
 
     Trees use a 4D boolean attention mask, which transformers passes through unchanged.
     Hidden states come from ``output_hidden_states``; per-head queries are not available.
+
+    Batches of drafts take the default ``forward_batch``: the equivalent tree forward of the
+    unmerged rows, not a batched forward. A real batch would need the ``DynamicCache`` repeated
+    D times (``batch_repeat_interleave`` copies the whole cache per row, and every update
+    concatenates it again); the tree forward computes the same attention with 1 + Σ lengths
+    rows instead of D·(1 + L) and reads the cache once.
     """
 
     def __init__(self, model: Any, info: TargetInfo) -> None:

@@ -1,0 +1,156 @@
+"""The verify step for each kind of draft, looked up by the draft's type (never by mode name).
+
+A step is the middle of the engine's loop for one proposed draft: size it (the planner), run one
+target forward over the root and the draft, take the verdict, and commit the KV of the root and
+the accepted tokens. Two kinds today:
+
+- ``DraftTree`` (chains included): one flattened forward with a tree attention mask
+  (``llm_worker.verify.tree``), verdict on the tree, cache compacted to the accepted path;
+- ``DraftBatch``: D rows of one batched forward, verdict on the rows' trie, one row's
+  accepted columns committed (``llm_worker.verify.batch``).
+
+A new kind of draft registers its ``Verification`` in ``VERIFICATIONS``; the engine does not
+change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from llm_worker.config import SamplingParams
+from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
+from llm_worker.planner import DraftBudget, DraftPlanner
+from llm_worker.sampling import warp_logits
+from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftBatch, DraftTree, VerifyResult
+from llm_worker.verify.batch import chosen_row, trie_logits
+from llm_worker.verify.tree import tree_buffers
+from llm_worker.verify.verifier import verify_greedy, verify_sampling
+
+Decide = Callable[[torch.Tensor, DraftTree], VerifyResult]
+"""(logits [1 + num_nodes, vocab] of the root and every node, the tree) → the verdict."""
+
+
+def decider(sampling: SamplingParams, generator: torch.Generator) -> Decide:
+    """Greedy: exact match with the argmax. Sampling: recursive rejection against the warped p."""
+    if sampling.greedy:
+        return lambda logits, tree: verify_greedy(logits.argmax(dim=-1).tolist(), tree)
+    return lambda logits, tree: verify_sampling(warp_logits(logits, sampling), tree, generator)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one verify step committed, and what the planner and drafter learn from."""
+
+    forward: ForwardOutput  # the rows the committed KV came from (a batch: the chosen row's)
+    rows: list[int]  # committed rows of ``forward``: the root, then the accepted path
+    decided: DraftTree  # the tree the verdict is about: the draft itself, or a batch's trie
+    result: VerifyResult  # verdict on ``decided``'s nodes
+
+    @property
+    def tokens(self) -> list[int]:
+        """Accepted tokens, then the bonus token."""
+        return [self.decided.tokens[node] for node in self.result.accepted] + [self.result.bonus]
+
+    @property
+    def sources(self) -> list[int]:
+        """[len(tokens)] context position each token was copied from (the bonus: none)."""
+        return [self.decided.source(node) for node in self.result.accepted] + [NO_SOURCE]
+
+
+DraftT = TypeVar("DraftT", DraftTree, DraftBatch)
+
+
+class Verification(ABC, Generic[DraftT]):
+    """Planning and verifying one kind of draft."""
+
+    @abstractmethod
+    def plan(
+        self, planner: DraftPlanner, draft: DraftT, context: int, confidence: float, budget: DraftBudget
+    ) -> DraftT:
+        """The part of ``draft`` worth verifying after ``context`` cached tokens, within ``budget``.
+
+        ``confidence``: the target's top-1 probability at the step that produced the root.
+        """
+
+    @abstractmethod
+    def step(
+        self,
+        target: TargetModel,
+        state: SequenceState,
+        root: int,
+        draft: DraftT,
+        needs: ArtifactNeeds,
+        decide: Decide,
+    ) -> StepResult:
+        """One target forward over ``root`` and ``draft``, the verdict, and the commit."""
+
+
+class TreeVerification(Verification[DraftTree]):
+    def plan(
+        self, planner: DraftPlanner, draft: DraftTree, context: int, confidence: float, budget: DraftBudget
+    ) -> DraftTree:
+        return planner.plan(draft, context, confidence, max_nodes=budget.tree_nodes).tree
+
+    def step(
+        self,
+        target: TargetModel,
+        state: SequenceState,
+        root: int,
+        draft: DraftTree,
+        needs: ArtifactNeeds,
+        decide: Decide,
+    ) -> StepResult:
+        inputs = torch.tensor((root, *draft.tokens), dtype=torch.long)  # [1 + num_nodes]
+        fwd = target.forward(state, inputs, tree_buffers(draft.parents) if len(draft) else None, needs)
+        result = decide(fwd.logits, draft)
+        rows = [0] + [node + 1 for node in result.accepted]
+        target.commit(state, rows)
+        return StepResult(fwd, rows, draft, result)
+
+
+class BatchVerification(Verification[DraftBatch]):
+    """D rows of one batched forward; see ``llm_worker.verify.batch`` for why the trie verdict
+    is exact."""
+
+    def plan(
+        self, planner: DraftPlanner, draft: DraftBatch, context: int, confidence: float, budget: DraftBudget
+    ) -> DraftBatch:
+        plan = planner.plan_batch(draft, context, confidence, max_nodes=budget.tokens, max_depth=budget.depth)
+        return plan.batch
+
+    def step(
+        self,
+        target: TargetModel,
+        state: SequenceState,
+        root: int,
+        draft: DraftBatch,
+        needs: ArtifactNeeds,
+        decide: Decide,
+    ) -> StepResult:
+        if not len(draft):  # nothing to verify: a plain one-token step
+            return TREE.step(target, state, root, DraftTree.empty(), needs, decide)
+        tokens = torch.cat(
+            (torch.full((draft.num_rows, 1), root, dtype=torch.long), draft.padded(pad=root)), dim=1
+        )  # [D, 1 + L]
+        fwd = target.forward_batch(state, tokens, [len(r) for r in draft.rows], needs)
+        trie = draft.trie()
+        result = decide(trie_logits(fwd.logits, trie), trie.tree)
+        row, count = chosen_row(trie, result)
+        target.commit_batch(state, row, count)
+        return StepResult(fwd.row(row), list(range(count)), trie.tree, result)
+
+
+TREE = TreeVerification()
+VERIFICATIONS: dict[type, Verification[Any]] = {DraftTree: TREE, DraftBatch: BatchVerification()}
+
+
+def verification_for(draft: Draft) -> Verification[Any]:
+    try:
+        return VERIFICATIONS[type(draft)]
+    except KeyError:
+        raise TypeError(f"no verification registered for drafts of type {type(draft).__name__}") from None
