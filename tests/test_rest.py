@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,3 +120,45 @@ def test_sampling_rest_matches_exact_distribution(params: SamplingParams, tmp_pa
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"rest: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert drafted > SAMPLES // 4, f"rest hardly drafted ({drafted}); the test would prove nothing"
+
+
+def test_sampling_rest_trees_with_siblings_match_exact_distribution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 new tokens, so that a step verifies two nodes — often siblings (recursive rejection over
+    siblings, not only chains), on a datastore of the model's own samples."""
+    from test_batch_verify import exact_distribution_of
+
+    from llm_worker.verify.steps import TreeVerification
+
+    branching: list[bool] = []
+    original = TreeVerification.step
+
+    def spy(self: TreeVerification, target: Any, state: Any, root: int, draft: Any, *rest: Any) -> Any:
+        if len(draft):
+            branching.append(len(set(draft.parents)) < len(draft.parents))
+        return original(self, target, state, root, draft, *rest)
+
+    monkeypatch.setattr(TreeVerification, "step", spy)
+    new = 4
+    model = tiny_model("llama", vocab=VOCAB, seed=3)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    params = SamplingParams(temperature=1.0, top_k=4)
+    ar = Engine(target, curve=FLAT_CURVE)
+    docs = []
+    for seed in range(40):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=10_000 + seed)
+        res = ar.generate(GenerationRequest(tuple(prompt), 6, "ar", sp, stop_at_eos=False))
+        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
+    write_version(docs, tmp_path / "v", VOCAB, {"name": "t", "vocab_size": VOCAB, "fingerprint": "t"})
+    engine = rest_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")), FLAT_CURVE)
+    dist = exact_distribution_of(model, prompt, params, new)
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(SAMPLES):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        res = engine.generate(GenerationRequest(tuple(prompt), new, "rest", sp, stop_at_eos=False))
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+    p = chi_square_p(counts, dist, SAMPLES)
+    assert p > 1e-3, f"rest trees: sampled continuations do not follow the target distribution (p = {p:.2g})"
+    assert sum(branching) > SAMPLES // 4, f"{sum(branching)} of {len(branching)} trees branched"
