@@ -70,6 +70,10 @@ class SuffixIndex:
     tokens: np.ndarray  # [n] big-endian uint16 / uint32
     sa: np.ndarray  # [n] int32 byte offsets of the sorted suffixes
 
+    def __post_init__(self) -> None:
+        # the arrays' addresses, once: numpy's ``.ctypes`` builds helper objects on every access
+        object.__setattr__(self, "_pointers", (self.tokens.ctypes.data, self.sa.ctypes.data))
+
     @staticmethod
     def build(tokens: np.ndarray, separator: int) -> SuffixIndex:
         """Index ``tokens`` ([n] ints < separator, or == separator between documents)."""
@@ -104,9 +108,8 @@ class SuffixIndex:
         if _SA_SEARCH is None:
             _SA_SEARCH = _search_function()
         left = ctypes.c_int32()
-        count = _SA_SEARCH(
-            self.tokens.ctypes.data, n * self.width, key, len(key), self.sa.ctypes.data, n, ctypes.byref(left)
-        )
+        tokens_ptr, sa_ptr = self._pointers  # type: ignore[attr-defined]
+        count = _SA_SEARCH(tokens_ptr, n * self.width, key, len(key), sa_ptr, n, ctypes.byref(left))
         if count < 0:
             raise RuntimeError(f"libdivsufsort sa_search failed ({count})")
         return (left.value, left.value + count) if count else (0, 0)
