@@ -56,15 +56,20 @@ def record_text(record: object, tokenizer: Any, where: str) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
-def read_documents(path: str | Path, tokenizer: Any) -> Iterator[str]:
-    """Document texts of a JSONL corpus, in file order (blank lines skipped)."""
+def jsonl_records(path: str | Path) -> Iterator[tuple[str, object]]:
+    """(``file:line``, parsed record) for every non-blank line; CorpusError names a bad line."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise CorpusError(f"{where}: not JSON ({exc.msg})") from None
-            yield record_text(record, tokenizer, where)
+
+
+def read_documents(path: str | Path, tokenizer: Any) -> Iterator[str]:
+    """Document texts of a JSONL corpus, in file order (blank lines skipped)."""
+    for where, record in jsonl_records(path):
+        yield record_text(record, tokenizer, where)

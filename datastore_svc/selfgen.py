@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from datastore_svc.corpus import jsonl_records
+
 
 @dataclass(frozen=True)
 class PromptRecord:
@@ -28,26 +30,19 @@ class PromptRecord:
 
 def read_prompts(path: str | Path) -> Iterator[PromptRecord]:
     """Spec-Bench lines (``question_id``, ``turns``) or ``{"prompt"}`` lines (id = line number)."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            if "turns" in record:
-                turns = record["turns"]
-                if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-                    raise ValueError(f"{where}: turns must be a non-empty list of strings")
-                yield PromptRecord(str(record.get("question_id", number)), tuple(turns))
-            elif isinstance(record.get("prompt"), str):
-                yield PromptRecord(str(record.get("id", number)), (record["prompt"],))
-            else:
-                raise ValueError(f'{where}: expected "turns" (Spec-Bench) or "prompt"')
+    for where, record in jsonl_records(path):
+        number = where.rsplit(":", 1)[1]
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        if "turns" in record:
+            turns = record["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                raise ValueError(f"{where}: turns must be a non-empty list of strings")
+            yield PromptRecord(str(record.get("question_id", number)), tuple(turns))
+        elif isinstance(record.get("prompt"), str):
+            yield PromptRecord(str(record.get("id", number)), (record["prompt"],))
+        else:
+            raise ValueError(f'{where}: expected "turns" (Spec-Bench) or "prompt"')
 
 
 def done_ids(out: Path) -> set[str]:

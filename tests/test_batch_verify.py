@@ -12,11 +12,10 @@ import torch
 from conftest import greedy_tokens, tiny_model
 from scipy import stats
 from test_lossless_tiny import FLAT_CURVE, SAMPLES, VOCAB, chi_square_p, prompts
-from test_rest import CPU_CURVE, datastore_for, rest_engine
+from test_rest import CPU_CURVE, datastore_for, own_samples_engine, rest_engine
 
-from datastore_svc.store import DatastoreVersion, LocalRetriever, write_version
 from llm_worker.config import ModelConfig, PlannerConfig, SamplingParams
-from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.engine import GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
 from llm_worker.model.target import SequenceState, TargetModel
@@ -318,18 +317,8 @@ def test_sampling_rest_batch_matches_exact_distribution(spy: SpyBatchVerificatio
     """χ² against enumeration, 4 new tokens (so that a step can accept 2), on a datastore of the
     model's own samples: many rows, shared prefixes, accepted paths from rows other than the first."""
     new = 4
-    model = tiny_model("llama", vocab=VOCAB, seed=3)
-    target = wrap_model(model, None, ModelConfig(backend="fast"))
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     params = SamplingParams(temperature=1.0, top_k=4)
-    ar = Engine(target, curve=FLAT_CURVE)
-    docs = []
-    for seed in range(40):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=10_000 + seed)
-        res = ar.generate(GenerationRequest(tuple(prompt), 6, "ar", sp, stop_at_eos=False))
-        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
-    write_version(docs, tmp_path / "v", VOCAB, {"name": "t", "vocab_size": VOCAB, "fingerprint": "t"})
-    engine = rest_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")), FLAT_CURVE)
+    model, engine, prompt = own_samples_engine(tmp_path, params)
     dist = exact_distribution_of(model, prompt, params, new)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0

@@ -141,18 +141,8 @@ def test_sampling_rest_trees_with_siblings_match_exact_distribution(
 
     monkeypatch.setattr(TreeVerification, "step", spy)
     new = 4
-    model = tiny_model("llama", vocab=VOCAB, seed=3)
-    target = wrap_model(model, None, ModelConfig(backend="fast"))
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     params = SamplingParams(temperature=1.0, top_k=4)
-    ar = Engine(target, curve=FLAT_CURVE)
-    docs = []
-    for seed in range(40):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=10_000 + seed)
-        res = ar.generate(GenerationRequest(tuple(prompt), 6, "ar", sp, stop_at_eos=False))
-        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
-    write_version(docs, tmp_path / "v", VOCAB, {"name": "t", "vocab_size": VOCAB, "fingerprint": "t"})
-    engine = rest_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")), FLAT_CURVE)
+    model, engine, prompt = own_samples_engine(tmp_path, params)
     dist = exact_distribution_of(model, prompt, params, new)
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(SAMPLES):
@@ -162,3 +152,19 @@ def test_sampling_rest_trees_with_siblings_match_exact_distribution(
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"rest trees: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert sum(branching) > SAMPLES // 4, f"{sum(branching)} of {len(branching)} trees branched"
+
+
+def own_samples_engine(tmp_path: Path, params: SamplingParams) -> tuple[Any, Engine, list[int]]:
+    """A tiny model (vocabulary VOCAB), an engine whose datastore holds 40 of the model's own
+    sampled continuations of the prompt (drafts often right, with shared prefixes), the prompt."""
+    model = tiny_model("llama", vocab=VOCAB, seed=3)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    ar = Engine(target, curve=FLAT_CURVE)
+    docs = []
+    for seed in range(40):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=10_000 + seed)
+        res = ar.generate(GenerationRequest(tuple(prompt), 6, "ar", sp, stop_at_eos=False))
+        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
+    write_version(docs, tmp_path / "v", VOCAB, {"name": "t", "vocab_size": VOCAB, "fingerprint": "t"})
+    return model, rest_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")), FLAT_CURVE), prompt
