@@ -81,7 +81,7 @@ def code_questions(out: str | Path, count: int) -> int:
     import importlib
 
     names = ["textwrap", "json", "shlex", "fnmatch", "posixpath", "string", "calendar", "base64", "heapq"]
-    questions = []
+    questions: list[dict[str, Any]] = []
     for module_name in names:
         module = importlib.import_module(module_name)
         for name, obj in sorted(vars(module).items()):
@@ -161,8 +161,8 @@ def draftretriever_latency(
     path = workdir / "draftretriever.idx"
     t0 = time.perf_counter()
     writer = draftretriever.Writer(file_path=str(path), vocab_size=separator + 1)
-    for doc in docs:
-        writer.add_entry(doc)
+    for ids in docs:
+        writer.add_entry(ids)
     writer.finalize()
     del writer
     build = time.perf_counter() - t0
@@ -171,12 +171,12 @@ def draftretriever_latency(
     load = time.perf_counter() - t0
     times, matched = [], 0
     for ctx in contexts:
-        values = [int(t) for t in ctx]
-        if len(values) < 2:  # the library aborts the process on shorter queries
+        query = [int(t) for t in ctx]
+        if len(query) < 2:  # the library aborts the process on shorter queries
             continue
         t0 = time.perf_counter()
-        for span in range(min(16, len(values)), 1, -1):
-            found = reader.search(values[-span:], choices=64)
+        for span in range(min(16, len(query)), 1, -1):
+            found = reader.search(query[-span:], choices=64)
             if len(found[0]):
                 matched += 1
                 break
