@@ -298,14 +298,12 @@ def _load_tokenizer(args: argparse.Namespace) -> Any:
     _quiet_libraries()
     from transformers import AutoTokenizer
 
-    from llm_worker.model.loading import ModelNotFoundError, default_model_dir
+    from llm_worker.model.loading import ModelNotFoundError, resolve_model_dir
 
     try:
-        path = Path(args.model) if args.model else default_model_dir()
+        path = resolve_model_dir(args.model)
     except ModelNotFoundError as exc:
         raise CliError(str(exc)) from exc
-    if not (path / "config.json").exists() and not (path / "tokenizer.json").exists():
-        raise CliError(f"{path} is not a Hugging Face model directory")
     return AutoTokenizer.from_pretrained(path), path
 
 
@@ -406,7 +404,7 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
     }
     report["in_process"] = retrieval_latency(LocalRetriever(version), contexts, cfg)
     if args.grpc:
-        report["grpc"] = _grpc_latency(args.datastore, version.num_shards, contexts, cfg)
+        report["grpc"] = _grpc_latency(args.datastore, contexts, cfg)
     if args.draftretriever:
         import tempfile
 
@@ -423,40 +421,33 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _grpc_latency(path: str, shards: int, contexts: list[Any], cfg: Any) -> dict[str, float]:
-    """Start one shard server process per shard, time retrievals through the fan-out client."""
-    import subprocess
-    import time
+def _grpc_latency(path: str, contexts: list[Any], cfg: Any) -> dict[str, float]:
+    """Start the version's shard servers as the local stack does, time retrievals through them."""
+    import tempfile
 
-    from client.stack import _free_port, health_status
+    from client.stack import StackConfig, StackError, StackState, start_shards, stop_processes, wait_serving
     from datastore_svc.bench import retrieval_latency
     from datastore_svc.fanout import RemoteDatastore
 
-    procs, addresses = [], []
-    try:
-        for i in range(shards):
-            port = _free_port()
-            cmd = [sys.executable, "-m", "client.cli", "serve", "datastore", "--datastore", path]
-            procs.append(
-                subprocess.Popen([*cmd, "--shard", str(i), "--port", str(port)], stderr=subprocess.DEVNULL)
-            )
-            addresses.append(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 300
-        while any(health_status(a) != "SERVING" for a in addresses):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise CliError("a shard server did not start")
-            time.sleep(0.2)
-        remote = RemoteDatastore(addresses, deadline=2.0)
-        retrieval_latency(remote, contexts[:50], cfg)  # warm the channels
-        result = retrieval_latency(remote, contexts, cfg)
-        result["failures"] = sum(remote.failures.values())
-        remote.close()
-        return result
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
+    stack = StackConfig(datastore=path, datastore_port=0)
+    with tempfile.TemporaryDirectory(prefix="specdraft-bench-shards-") as tmp:
+        state = StackState()
+        try:
+            start_shards(stack, state, Path(tmp), Path(tmp))
+            wait_serving(state.shards(), 300.0)
+        except StackError as exc:
+            stop_processes(state.processes, grace_seconds=0.0)
+            raise CliError(str(exc)) from exc
+        shards = state.shards()
+        try:
+            remote = RemoteDatastore([p.address for p in shards], deadline=2.0)
+            retrieval_latency(remote, contexts[:50], cfg)  # warm the channels
+            result = retrieval_latency(remote, contexts, cfg)
+            result["failures"] = sum(remote.failures.values())
+            remote.close()
+            return result
+        finally:
+            stop_processes(shards, grace_seconds=0.0)
 
 
 def _cmd_datastore_info(args: argparse.Namespace) -> int:
@@ -527,15 +518,18 @@ def _stack_dir(args: argparse.Namespace) -> Path:
     return Path(args.state_dir) if args.state_dir else default_state_dir()
 
 
+def _worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str]:
+    """The model options of this command, as ``specdraft serve worker`` arguments."""
+    out = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend]
+    out += ["--model", args.model] if args.model else []
+    return out + (["--threads", str(threads)] if threads else [])
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from client.stack import StackConfig, StackError, up
 
-    worker_args: list[str] = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend]
-    if args.model:
-        worker_args += ["--model", args.model]
     threads = args.threads or (max(1, (os.cpu_count() or 1) // args.workers) if args.workers > 1 else None)
-    if threads:
-        worker_args += ["--threads", str(threads)]
+    worker_args = _worker_model_args(args, threads)
     worker_args += ["--max-concurrent", str(args.max_concurrent)]
     if not args.warm:
         worker_args.append("--no-warm")
@@ -604,9 +598,7 @@ def _cmd_bench_grpc(args: argparse.Namespace) -> int:
     if args.server:
         report = measure(args.server.split(","), args.calls, args.max_new_tokens, prompt, args.mode)
     else:
-        worker_args = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend]
-        worker_args += ["--model", args.model] if args.model else []
-        worker_args += ["--threads", str(args.threads)] if args.threads else []
+        worker_args = _worker_model_args(args, args.threads)
         cfg = StackConfig(
             worker_port=0, metrics_port=None, redis=False, worker_args=tuple(worker_args), grace_seconds=5
         )

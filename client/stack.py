@@ -214,7 +214,7 @@ def health_status(address: str, timeout: float = 2.0) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def _wait_serving(procs: Sequence[Process], timeout: float) -> None:
+def wait_serving(procs: Sequence[Process], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     waiting = list(procs)
     while waiting:
@@ -289,9 +289,9 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                 say(f"redis      {proc.address}  (pid {proc.pid})")
         datastore_addr = ""
         if cfg.datastore:
-            shards = _start_shards(cfg, state, state_dir, logs)
+            shards = start_shards(cfg, state, state_dir, logs)
             say(f"waiting for {len(shards)} datastore shard(s) to load and report SERVING ...")
-            _wait_serving(shards, cfg.startup_timeout)
+            wait_serving(shards, cfg.startup_timeout)
             for proc in shards:
                 say(f"{proc.name:10s} {proc.address}  (pid {proc.pid})")
             datastore_addr = ",".join(p.address for p in shards)
@@ -318,7 +318,7 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
             workers.append(proc)
             write_state(state_dir, state)
         say(f"waiting for {len(workers)} worker(s) to load the model and report SERVING ...")
-        _wait_serving(workers, cfg.startup_timeout)
+        wait_serving(workers, cfg.startup_timeout)
         for proc in workers:
             say(f"{proc.name:10s} {proc.address}  (pid {proc.pid}) {proc.metrics}")
         write_state(state_dir, state)
@@ -330,7 +330,9 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
         raise
 
 
-def _start_shards(cfg: StackConfig, state: StackState, state_dir: Path, logs: Path) -> list[Process]:
+def start_shards(cfg: StackConfig, state: StackState, state_dir: Path, logs: Path) -> list[Process]:
+    """One ``serve datastore`` process per shard of ``cfg.datastore``, recorded in ``state`` (and its
+    file) as each starts, so that a failure later can stop them; not yet waited for."""
     assert cfg.datastore is not None
     manifest = Path(cfg.datastore) / "manifest.json"
     try:

@@ -203,15 +203,13 @@ def merge(results: Sequence[Retrieval], max_nodes: int, max_candidates: int) -> 
     counts: dict[tuple[int, ...], int] = {}
     sources: dict[tuple[int, ...], Source | None] = {}
     for result in best:
-        seen: dict[tuple[int, ...], int] = {}
+        seen: dict[tuple[int, ...], int] = {}  # one count per path and shard (prefixes repeat)
         for cand in result.candidates:
             for i in range(len(cand.tokens)):
                 seen[cand.tokens[: i + 1]] = cand.counts[i]
+                sources.setdefault(cand.tokens[: i + 1], cand.source)
         for path, n in seen.items():
             counts[path] = counts.get(path, 0) + n
-        for cand in result.candidates:
-            for i in range(len(cand.tokens)):
-                sources.setdefault(cand.tokens[: i + 1], cand.source)
     paths = list(counts)
     count = np.array([counts[p] for p in paths], dtype=np.int64)
     depth = np.array([len(p) for p in paths], dtype=np.int64)

@@ -237,6 +237,9 @@ def test_cli_build_info_serve_and_swap(tmp_path: Path, capsys: pytest.CaptureFix
         assert built["version"] == name and built["tokens"] > 0 and built["bytes_per_token"] > 0
     assert main(["datastore", "info", str(tmp_path / "a")]) == 0
     assert json.loads(capsys.readouterr().out)["shards"] == 1
+    assert main(["datastore", "bench", "--datastore", str(tmp_path / "a"), "--queries", "20", "--grpc"]) == 0
+    bench = json.loads(capsys.readouterr().out)
+    assert bench["in_process"]["calls"] == bench["grpc"]["calls"] == 20 and bench["grpc"]["failures"] == 0
     assert main(["datastore", "build", "--corpus", str(corpus), "--out", str(tmp_path / "a")]) == 2
     assert "immutable" in capsys.readouterr().err
 
