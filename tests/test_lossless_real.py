@@ -146,3 +146,16 @@ def test_greedy_datastore_modes_are_token_identical_to_ar(real_model, real_engin
             assert res.datastore_version == "v1"
             assert_greedy_identical(target, prompt, ref, res.token_ids, f"real/{mode}/prompt{i}")
     assert all(accepted[m] > 0 for m in modes), accepted
+
+
+def test_sampling_runs_in_datastore_modes_and_is_seeded(real_model, rest_engine, prompt_ids) -> None:
+    """On the real model: sampled generations with rest / rest-batch drafts are seeded, valid and
+    pinned to one datastore version (their exactness in distribution is the χ² tests' job)."""
+    target, _ = real_model
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    for mode in ("rest", "rest-batch"):
+        req = GenerationRequest(tuple(prompt_ids[0]), 24, mode, params)
+        first = rest_engine.generate(req)
+        assert first.token_ids == rest_engine.generate(req).token_ids, mode
+        assert all(0 <= t < target.info.vocab_size for t in first.token_ids)
+        assert first.datastore_version == "v1" and first.stats.drafted_tokens > 0, mode
