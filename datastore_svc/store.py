@@ -7,7 +7,12 @@ A version is an immutable directory::
       shard-0000/tokens.npy  [n] >u2 (or >u4)  documents' token ids, each followed by the separator
       shard-0000/sa.npy      [n] int32  suffix array: the sorted suffixes' byte offsets in tokens
       shard-0000/docs.npy    [documents] int64  where each document starts in tokens (token index)
+      shard-0000/dense.faiss  (dense versions) FAISS index of the reduced hidden-state keys
+      shard-0000/positions.npy (dense versions) [keys] token position of each key
       shard-0001/...
+
+A dense version's manifest also holds the z-score / PCA statistics that turn the target's
+hidden state into a query (``datastore_svc.dense``, built by ``datastore_svc.dense_build``).
 
 A build writes everything into a hidden temporary directory beside ``VERSION`` and renames it
 into place last, so a crashed build never leaves a half-written version; an existing version is
@@ -30,6 +35,15 @@ from typing import Any
 import numpy as np
 
 from datastore_svc.corpus import read_documents
+from datastore_svc.dense import (
+    DenseConfig,
+    DenseError,
+    DenseIndex,
+    DenseRetrieval,
+    DenseStats,
+    dense_retrieve,
+    merge_dense,
+)
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
 from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
 
@@ -37,6 +51,11 @@ FORMAT = "specdraft-datastore"
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 ARRAYS = ("tokens", "sa", "docs")
+DENSE_FILES = ("dense.faiss", "positions.npy")
+
+Extend = Callable[[Path, dict[str, Any]], dict[str, Any]]
+"""A build step after the token arrays exist in the temporary directory (e.g. the dense index):
+it may add files to each shard directory and returns the manifest entries to add."""
 
 
 class DatastoreError(Exception):
@@ -176,11 +195,12 @@ def write_version(
     model_name: str = "",
     source: dict[str, Any] | None = None,
     progress: bool = False,
+    extend: Extend | None = None,
 ) -> BuildReport:
     """Write token documents as a new version at ``out``: temporary directory, then one rename.
 
     ``separator`` must exceed every token id (the tokenizer's size); ``tokenizer`` is its
-    identity (``tokenizer_identity``).
+    identity (``tokenizer_identity``); ``extend`` adds more (the dense index) before the rename.
     """
     from tqdm import tqdm
 
@@ -213,7 +233,7 @@ def write_version(
                 {"index": index, "tokens": len(arrays["tokens"]), "documents": len(members), "files": files}
             )
         num_tokens = int(sum(len(d) for d in docs))
-        manifest = {
+        manifest: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "version": out.name,
@@ -230,12 +250,69 @@ def write_version(
                 "seconds": {k: round(v, 3) for k, v in seconds.items()},
             },
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        os.rename(tmp, out)  # the version appears whole, or not at all
+        if extend is not None:
+            total_bytes += _extend(tmp, manifest, extend)
+        _finish(tmp, out, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return BuildReport(out, out.name, len(docs), num_tokens, seconds, total_bytes)
+
+
+def _extend(tmp: Path, manifest: dict[str, Any], extend: Extend) -> int:
+    """Run ``extend`` on the temporary version; checksum the files it added. Returns their bytes."""
+    manifest.update(extend(tmp, manifest))
+    added = 0
+    for entry in manifest["shards"]:
+        sdir = tmp / shard_dir(int(entry["index"]))
+        for name in DENSE_FILES:
+            path = sdir / name
+            if path.exists():
+                entry["files"][name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+                added += path.stat().st_size
+    return added
+
+
+def _finish(tmp: Path, out: Path, manifest: dict[str, Any]) -> None:
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    os.rename(tmp, out)  # the version appears whole, or not at all
+
+
+def derive_version(source: str | Path, out: str | Path, extend: Extend) -> Path:
+    """A new version at ``out`` with the token arrays of ``source`` and what ``extend`` adds.
+
+    The arrays are hard-linked when both lie on one file system (versions are immutable, so
+    sharing them is safe), copied otherwise; the source's dense files are not carried over.
+    """
+    source, out = Path(source).resolve(), Path(out)
+    manifest = read_manifest(source)
+    for entry in manifest["shards"]:  # the source must be whole before anything derives from it
+        open_shard(source, manifest, int(entry["index"]), verify=True, dense=False)
+    _check_new(out, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for entry in manifest["shards"]:
+            sdir = shard_dir(int(entry["index"]))
+            (tmp / sdir).mkdir(parents=True)
+            for name in ARRAYS:
+                src, dst = source / sdir / f"{name}.npy", tmp / sdir / f"{name}.npy"
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copy2(src, dst)
+            entry["files"] = {k: v for k, v in entry["files"].items() if k not in DENSE_FILES}
+        manifest.pop("dense", None)
+        manifest["build"] = {**manifest.get("build", {}), "derived_from": manifest["version"]}
+        manifest["version"] = out.name
+        manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        _extend(tmp, manifest, extend)
+        _finish(tmp, out, manifest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def _library_version() -> str:
@@ -271,12 +348,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 @dataclass
 class Shard:
-    """One shard's arrays, memory-mapped."""
+    """One shard's arrays, memory-mapped, and its dense index if the version has one."""
 
     index: int
     suffixes: SuffixIndex
     docs: np.ndarray  # [documents] int64
     separator: int
+    dense: DenseIndex | None = None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -285,32 +363,74 @@ class Shard:
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig) -> Retrieval:
         return retrieve(self.suffixes, self.separator, context, cfg, self.docs, self.index)
 
+    def retrieve_dense(self, query: np.ndarray, next_token: int, cfg: DenseConfig) -> DenseRetrieval:
+        if self.dense is None:
+            raise DatastoreError("this datastore version has no dense index (build it with --dense)")
+        return dense_retrieve(
+            self.dense, self.tokens, self.separator, query, next_token, cfg, self.docs, self.index
+        )
 
-def open_shard(path: Path, manifest: dict[str, Any], index: int, verify: bool = True) -> Shard:
+
+def _checked_file(path: Path, entry: dict[str, Any], index: int, name: str, verify: bool) -> Path:
+    sdir = path / shard_dir(index)
+    file = sdir / name
+    expected = entry.get("files", {}).get(name)
+    if expected is None:
+        raise DatastoreError(f"{path}: the manifest lists no {name} for shard {index}")
+    if not file.exists():
+        raise DatastoreError(f"{file} is missing (a partial version)")
+    if file.stat().st_size != expected["bytes"]:
+        raise DatastoreError(f"{file}: {file.stat().st_size} bytes, the manifest says {expected['bytes']}")
+    if verify and sha256_file(file) != expected["sha256"]:
+        raise DatastoreError(f"{file}: checksum mismatch (corrupt)")
+    return file
+
+
+def _load_array(file: Path) -> np.ndarray:
+    try:
+        # a plain ndarray view of the mapping: np.memmap's per-slice bookkeeping costs µs per access
+        return np.load(file, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+    except (ValueError, OSError) as exc:
+        raise DatastoreError(f"{file} is not a readable array: {exc}") from None
+
+
+def load_shard_arrays(path: Path, index: int) -> dict[str, np.ndarray]:
+    """A shard's token arrays, memory-mapped, without checks (for build steps on a version being written)."""
+    return {name: _load_array(path / shard_dir(index) / f"{name}.npy") for name in ARRAYS}
+
+
+def _open_dense(path: Path, entry: dict[str, Any], index: int, verify: bool, tokens: int) -> DenseIndex:
+    import faiss
+
+    index_file = _checked_file(path, entry, index, DENSE_FILES[0], verify)
+    positions = _load_array(_checked_file(path, entry, index, DENSE_FILES[1], verify))
+    try:
+        faiss_index = faiss.read_index(str(index_file))
+    except RuntimeError as exc:
+        raise DatastoreError(
+            f"{index_file} is not a readable FAISS index: {str(exc).splitlines()[0]}"
+        ) from None
+    if (
+        positions.ndim != 1
+        or positions.dtype.kind != "i"
+        or (len(positions) and positions.max() >= tokens - 1)
+    ):
+        raise DatastoreError(f"{path / shard_dir(index)}: positions.npy does not fit the token array")
+    try:
+        return DenseIndex(faiss_index, positions)
+    except DenseError as exc:
+        raise DatastoreError(f"{path / shard_dir(index)}: {exc}") from None
+
+
+def open_shard(
+    path: Path, manifest: dict[str, Any], index: int, verify: bool = True, dense: bool = True
+) -> Shard:
     entries = {s.get("index"): s for s in manifest["shards"] if isinstance(s, dict)}
     if index not in entries:
         raise DatastoreError(f"{path}: no shard {index} (the version has {len(entries)})")
     entry = entries[index]
     sdir = path / shard_dir(index)
-    arrays: dict[str, np.ndarray] = {}
-    for name in ARRAYS:
-        file = sdir / f"{name}.npy"
-        expected = entry.get("files", {}).get(f"{name}.npy")
-        if expected is None:
-            raise DatastoreError(f"{path}: the manifest lists no {file.name} for shard {index}")
-        if not file.exists():
-            raise DatastoreError(f"{file} is missing (a partial version)")
-        if file.stat().st_size != expected["bytes"]:
-            raise DatastoreError(
-                f"{file}: {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
-            )
-        if verify and sha256_file(file) != expected["sha256"]:
-            raise DatastoreError(f"{file}: checksum mismatch (corrupt)")
-        try:
-            # a plain ndarray view of the mapping: np.memmap's per-slice bookkeeping costs µs per access
-            arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False).view(np.ndarray)
-        except (ValueError, OSError) as exc:
-            raise DatastoreError(f"{file} is not a readable array: {exc}") from None
+    arrays = {name: _load_array(_checked_file(path, entry, index, f"{name}.npy", verify)) for name in ARRAYS}
     separator = int(manifest["separator"])
     n = int(entry.get("tokens", -1))
     tokens, sa = arrays["tokens"], arrays["sa"]
@@ -318,7 +438,8 @@ def open_shard(path: Path, manifest: dict[str, Any], index: int, verify: bool = 
         raise DatastoreError(f"{sdir}: array shapes disagree with the manifest")
     if tokens.dtype != token_dtype(separator) or sa.dtype != np.int32:
         raise DatastoreError(f"{sdir}: tokens must be {token_dtype(separator)} and sa int32")
-    return Shard(index, SuffixIndex(tokens, sa), arrays["docs"], separator)
+    dense_index = _open_dense(path, entry, index, verify, n) if dense and "dense" in manifest else None
+    return Shard(index, SuffixIndex(tokens, sa), arrays["docs"], separator, dense_index)
 
 
 class DatastoreVersion:
@@ -341,6 +462,12 @@ class DatastoreVersion:
                 f"fingerprint {found}; this model's is {tokenizer_fingerprint})"
             )
         indexes = list(range(self.num_shards)) if shards is None else list(shards)
+        self.dense_stats: DenseStats | None = None
+        if "dense" in self.manifest:
+            try:
+                self.dense_stats = DenseStats.from_manifest(self.manifest["dense"].get("stats", {}))
+            except (DenseError, AttributeError) as exc:
+                raise DatastoreError(f"{self.path / MANIFEST}: {exc}") from None
         self.shards = [open_shard(self.path, self.manifest, i, verify) for i in indexes]
         self.load_seconds = time.perf_counter() - t0
 
@@ -356,9 +483,18 @@ class DatastoreVersion:
     def tokens(self) -> int:
         return sum(len(s.tokens) for s in self.shards)
 
+    @property
+    def dense_model(self) -> str:
+        """Fingerprint of the model whose hidden states the dense keys are ("" = no dense index)."""
+        return str(self.manifest.get("dense", {}).get("model_fingerprint", ""))
+
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig) -> Retrieval:
         results = [s.retrieve(context, cfg) for s in self.shards]
         return merge(results, cfg.max_nodes, cfg.max_candidates)
+
+    def retrieve_dense(self, query: np.ndarray, next_token: int, cfg: DenseConfig) -> DenseRetrieval:
+        results = [s.retrieve_dense(query, next_token, cfg) for s in self.shards]
+        return merge_dense(results, cfg.max_candidates)
 
 
 class LocalRetriever:
@@ -369,3 +505,17 @@ class LocalRetriever:
 
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
         return self.current.retrieve(context, cfg), self.current.version
+
+    def current_version(self) -> str:
+        return self.current.version
+
+    def dense_stats(self, version: str) -> tuple[DenseStats | None, str]:
+        """(statistics of the version, its dense model fingerprint); None if it has no dense index."""
+        if version and version != self.current.version:
+            raise DatastoreError(f"version {version} is not loaded here (current: {self.current.version})")
+        return self.current.dense_stats, self.current.dense_model
+
+    def retrieve_dense(
+        self, query: np.ndarray, next_token: int, cfg: DenseConfig, version: str = ""
+    ) -> tuple[DenseRetrieval, str]:
+        return self.current.retrieve_dense(query, next_token, cfg), self.current.version

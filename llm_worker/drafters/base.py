@@ -99,9 +99,12 @@ class Retriever(Protocol):
 
 @dataclass(frozen=True)
 class DraftResources:
-    """What a worker offers drafters beyond the model: today, a datastore."""
+    """What a worker offers drafters beyond the model: a datastore, and the caches of dense
+    retrieval (``datastore_svc.cache``: statistics, query results; shared through Redis)."""
 
     retriever: Retriever | None = None
+    dense_stats: Any = None
+    dense_queries: Any = None
 
 
 DrafterFactory = Callable[["TargetModel", dict[str, str], DraftResources], Drafter]

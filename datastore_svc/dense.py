@@ -1,0 +1,392 @@
+"""Dense retrieval (DReSD) as pure functions: hidden state → query → nearest keys → drafts.
+
+A key is the target model's last hidden state (after the final norm, before the LM head) at a
+corpus position p, reduced: z-score with the corpus statistics, project with PCA to ``dims``
+dimensions, L2-normalise. Its value is p itself — the drafts are read from the shard's token
+array, so no token sequence is stored twice: the hidden state at p predicted ``tokens[p + 1]``,
+and the draft after it is ``tokens[p + 2 : p + 2 + L]``.
+
+At decode time the worker reduces the hidden state of its last verified token the same way
+(``DenseStats.project``) and sends it with the verified next token; the shard searches the
+``top_k`` nearest keys by inner product, keeps those whose stored next token is that token, and
+returns up to D distinct drafts of up to L tokens, best score first (``dense_retrieve``). No
+match means no drafts: nothing is guessed.
+
+Example: tokens [5, 6, 7, 8, SEP], keys at p = 0, 1, 2, 3 (p = 3 has no next token inside its
+document, so it gets no key); a query nearest to p = 1 with next token 7 drafts [8].
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+INDEX_KINDS = ("auto", "flat", "hnsw", "ivf", "ivfpq")
+FLAT_MAX_KEYS = 200_000
+"""``auto`` searches exactly up to this many keys per shard, approximately (HNSW) above."""
+
+
+class DenseError(ValueError):
+    """Dense statistics or an index that cannot be used."""
+
+
+# -- statistics: z-score, PCA, L2 ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DenseStats:
+    """What turns a hidden state into a query: ``normalise(pca(zscore(h)))``.
+
+    ``components`` [dims, hidden] and ``offset`` [dims] are FAISS's PCA transform (y = A z + b,
+    b = -A · mean(z)); ``mean`` / ``std`` [hidden] are the z-score statistics of the corpus.
+    """
+
+    mean: np.ndarray
+    std: np.ndarray
+    components: np.ndarray
+    offset: np.ndarray
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.mean.shape[0])
+
+    @property
+    def dims(self) -> int:
+        return int(self.components.shape[0])
+
+    def project(self, hidden: np.ndarray) -> np.ndarray:
+        """[n, hidden] (or [hidden]) → [n, dims] (or [dims]) unit-norm float32 queries."""
+        h = np.asarray(hidden, dtype=np.float32)
+        if h.shape[-1] != self.hidden_size:
+            raise DenseError(
+                f"hidden state of size {h.shape[-1]}; these statistics expect {self.hidden_size}"
+            )
+        y = ((h - self.mean) / self.std) @ self.components.T + self.offset
+        norm = np.linalg.norm(y, axis=-1, keepdims=True)
+        return (y / np.maximum(norm, 1e-12)).astype(np.float32)
+
+    def to_bytes(self) -> bytes:
+        """A self-describing binary form (``.npz``), for the manifest, Redis and ShardInfo."""
+        buf = io.BytesIO()
+        np.savez(buf, mean=self.mean, std=self.std, components=self.components, offset=self.offset)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> DenseStats:
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                arrays = {
+                    k: np.asarray(z[k], dtype=np.float32) for k in ("mean", "std", "components", "offset")
+                }
+        except (OSError, ValueError, KeyError) as exc:
+            raise DenseError(f"unreadable dense statistics: {exc}") from None
+        stats = cls(**arrays)
+        stats.check()
+        return stats
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
+
+    def to_manifest(self) -> dict[str, Any]:
+        data = self.to_bytes()
+        return {
+            "hidden_size": self.hidden_size,
+            "dims": self.dims,
+            "npz_base64": base64.b64encode(data).decode("ascii"),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> DenseStats:
+        try:
+            data = base64.b64decode(entry["npz_base64"], validate=True)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DenseError(f"dense statistics missing or not base64: {exc}") from None
+        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+            raise DenseError("dense statistics: checksum mismatch (corrupt)")
+        return cls.from_bytes(data)
+
+    def check(self) -> None:
+        h, d = self.hidden_size, self.dims
+        if self.std.shape != (h,) or self.components.shape != (d, h) or self.offset.shape != (d,):
+            raise DenseError("dense statistics: inconsistent shapes")
+        if not all(np.isfinite(a).all() for a in (self.mean, self.std, self.components, self.offset)):
+            raise DenseError("dense statistics: non-finite values")
+        if (self.std <= 0).any():
+            raise DenseError("dense statistics: non-positive standard deviations")
+
+
+def fit_stats(sample: np.ndarray, dims: int, eps: float = 1e-6) -> DenseStats:
+    """z-score statistics and a ``dims``-dimensional PCA (FAISS's ``PCAMatrix``) of ``sample`` [n, hidden]."""
+    import faiss
+
+    x = np.ascontiguousarray(sample, dtype=np.float32)
+    n, hidden = x.shape
+    if not 1 <= dims <= hidden:
+        raise DenseError(f"PCA to {dims} dimensions: need 1 <= dims <= {hidden}")
+    if n < 2:
+        raise DenseError(f"PCA needs at least 2 vectors, got {n}")
+    mean = x.mean(axis=0, dtype=np.float64).astype(np.float32)
+    std = (x.std(axis=0, dtype=np.float64) + eps).astype(np.float32)
+    z = np.ascontiguousarray((x - mean) / std)
+    pca = faiss.PCAMatrix(hidden, dims)
+    pca.train(z)
+    components = faiss.vector_to_array(pca.A).reshape(dims, hidden).astype(np.float32)
+    offset = faiss.vector_to_array(pca.b).astype(np.float32)
+    stats = DenseStats(mean, std, components, offset)
+    stats.check()
+    return stats
+
+
+# -- keys and their index ------------------------------------------------------------------------
+
+
+def key_positions(tokens: np.ndarray, separator: int) -> np.ndarray:
+    """Positions p that get a key: a token whose next token is in the same document."""
+    t = np.asarray(tokens)
+    if len(t) < 2:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero((t[:-1] < separator) & (t[1:] < separator)).astype(np.int64)
+
+
+def choose_kind(num_keys: int, requested: str = "auto") -> str:
+    if requested not in INDEX_KINDS:
+        raise DenseError(f"index type {requested!r}: choose one of {', '.join(INDEX_KINDS)}")
+    if requested != "auto":
+        return requested
+    return "flat" if num_keys <= FLAT_MAX_KEYS else "hnsw"
+
+
+@dataclass(frozen=True)
+class IndexParams:
+    hnsw_m: int = 32
+    hnsw_ef_construction: int = 80
+    hnsw_ef_search: int = 128
+    ivf_lists: int = 0  # 0 = about 4·sqrt(keys)
+    ivf_probe: int = 16
+    pq_bytes: int = 0  # ivfpq: bytes per key (0 = dims / 2)
+
+
+def build_index(keys: np.ndarray, kind: str, params: IndexParams = IndexParams()) -> Any:
+    """A FAISS inner-product index over ``keys`` [n, dims] (unit-norm float32), ids = row numbers.
+
+    ``flat``: exact search over float16 keys; ``hnsw``: HNSW graph over float16 keys; ``ivf``:
+    inverted lists of float16 keys; ``ivfpq``: inverted lists of product-quantised keys.
+    """
+    import faiss
+
+    x = np.ascontiguousarray(keys, dtype=np.float32)
+    n, dims = x.shape
+    ip, fp16 = faiss.METRIC_INNER_PRODUCT, faiss.ScalarQuantizer.QT_fp16
+    if kind == "flat":
+        index = faiss.IndexScalarQuantizer(dims, fp16, ip)
+    elif kind == "hnsw":
+        index = faiss.IndexHNSWSQ(dims, fp16, params.hnsw_m, ip)
+        index.hnsw.efConstruction = params.hnsw_ef_construction
+    elif kind in ("ivf", "ivfpq"):
+        lists = params.ivf_lists or max(1, min(int(4 * np.sqrt(max(n, 1))), n // 39 or 1))
+        quantizer = faiss.IndexFlatIP(dims)
+        if kind == "ivf":
+            index = faiss.IndexIVFScalarQuantizer(quantizer, dims, lists, fp16, ip)
+        else:
+            m = params.pq_bytes or max(1, dims // 2)
+            if dims % m:
+                raise DenseError(f"ivfpq: {dims} dimensions are not divisible into {m} sub-quantisers")
+            index = faiss.IndexIVFPQ(quantizer, dims, lists, m, 8, ip)
+    else:
+        raise DenseError(f"unknown index type {kind!r}")
+    if n:
+        if not index.is_trained:
+            index.train(x)
+        index.add(x)
+    tune_index(index, params)
+    return index
+
+
+def tune_index(index: Any, params: IndexParams = IndexParams()) -> None:
+    """Search-time parameters (not stored by every index type): HNSW ef, IVF probes."""
+    import faiss
+
+    inner = faiss.downcast_index(index)
+    if hasattr(inner, "hnsw"):
+        inner.hnsw.efSearch = params.hnsw_ef_search
+    if hasattr(inner, "nprobe"):
+        inner.nprobe = params.ivf_probe
+
+
+def index_to_gpu(index: Any, device: int = 0) -> Any:
+    """The index on a GPU (faiss-gpu installed and a GPU present), else a clear error."""
+    import faiss
+
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+        raise DenseError("a GPU index was configured but faiss has no GPU here (install faiss-gpu)")
+    return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), device, index)
+
+
+def exact_search(keys: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, rows) of the k largest inner products, exactly (the reference for recall)."""
+    import faiss
+
+    index = faiss.IndexFlatIP(keys.shape[1])
+    index.add(np.ascontiguousarray(keys, dtype=np.float32))
+    return index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+
+
+def recall_at(approx: np.ndarray, exact: np.ndarray) -> float:
+    """Mean share of each query's exact top-k rows that the approximate top-k found."""
+    hits = [
+        len(set(a[a >= 0].tolist()) & set(e[e >= 0].tolist())) for a, e in zip(approx, exact, strict=True)
+    ]
+    total = sum(int((e >= 0).sum()) for e in exact)
+    return sum(hits) / max(total, 1)
+
+
+# -- retrieval ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    top_k: int = 64
+    """Keys searched (before keeping those that continue with the verified next token)."""
+    max_candidates: int = 3
+    """D: distinct drafts returned at most."""
+    max_length: int = 10
+    """L: tokens per draft at most."""
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "max_candidates", "max_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+@dataclass(frozen=True)
+class DenseSource:
+    shard: int
+    document: int
+    offset: int  # token offset in the document where the draft starts
+
+
+@dataclass(frozen=True)
+class DenseCandidate:
+    tokens: tuple[int, ...]
+    score: float  # inner product of the query and the best key with this draft
+    count: int  # keys among the matches that drafted exactly these tokens
+    source: DenseSource | None = None
+
+
+@dataclass(frozen=True)
+class DenseRetrieval:
+    candidates: tuple[DenseCandidate, ...]
+    searched: int  # keys returned by the search
+    matched: int  # of those, keys whose next token is the verified one
+
+
+NO_DENSE = DenseRetrieval((), 0, 0)
+
+
+def drafts_from_hits(
+    tokens: np.ndarray,
+    separator: int,
+    positions: np.ndarray,
+    scores: np.ndarray,
+    next_token: int,
+    cfg: DenseConfig,
+    doc_starts: np.ndarray | None = None,
+    shard: int = 0,
+) -> DenseRetrieval:
+    """Drafts from the search hits (``positions``: key positions best first, -1 = no hit)."""
+    ok = positions >= 0
+    positions, scores = positions[ok], scores[ok]
+    n = len(tokens)
+    nxt = np.asarray(tokens[np.minimum(positions + 1, n - 1)], dtype=np.int64)
+    keep = (positions + 1 < n) & (nxt == next_token)
+    positions, scores = positions[keep], scores[keep]
+    by_draft: dict[tuple[int, ...], list[Any]] = {}
+    for p, s in zip(positions.tolist(), scores.tolist(), strict=True):
+        window = np.asarray(tokens[p + 2 : p + 2 + cfg.max_length], dtype=np.int64)
+        ends = np.flatnonzero(window >= separator)
+        draft = tuple(window[: ends[0] if len(ends) else len(window)].tolist())
+        if not draft:
+            continue
+        entry = by_draft.get(draft)
+        if entry is None:
+            by_draft[draft] = [s, 1, p + 2]
+        else:
+            entry[1] += 1
+    best = sorted(by_draft.items(), key=lambda kv: -kv[1][0])[: cfg.max_candidates]
+    candidates = []
+    for draft, (score, count, start) in best:
+        source = None
+        if doc_starts is not None and len(doc_starts):
+            doc = int(np.searchsorted(doc_starts, start, side="right") - 1)
+            source = DenseSource(shard, doc, start - int(doc_starts[doc]))
+        candidates.append(DenseCandidate(draft, float(score), count, source))
+    return DenseRetrieval(tuple(candidates), int(ok.sum()), len(positions))
+
+
+def merge_dense(results: Sequence[DenseRetrieval], max_candidates: int) -> DenseRetrieval:
+    """One result from several shards': equal drafts merge (best score, counts add), best first."""
+    if len(results) == 1:
+        return results[0]
+    merged: dict[tuple[int, ...], DenseCandidate] = {}
+    for result in results:
+        for cand in result.candidates:
+            seen = merged.get(cand.tokens)
+            if seen is None:
+                merged[cand.tokens] = cand
+            else:
+                best = cand if cand.score > seen.score else seen
+                merged[cand.tokens] = DenseCandidate(
+                    cand.tokens, best.score, seen.count + cand.count, best.source
+                )
+    ranked = sorted(merged.values(), key=lambda c: -c.score)[:max_candidates]
+    return DenseRetrieval(tuple(ranked), sum(r.searched for r in results), sum(r.matched for r in results))
+
+
+class DenseIndex:
+    """One shard's dense index: FAISS index over the keys, and each key's token position."""
+
+    def __init__(self, index: Any, positions: np.ndarray, params: IndexParams = IndexParams()) -> None:
+        if index.ntotal != len(positions):
+            raise DenseError(f"the index holds {index.ntotal} keys but {len(positions)} positions")
+        self.index = index
+        self.positions = positions
+        self.dims = int(index.d)
+        tune_index(index, params)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, token positions) [n, k] of the k nearest keys of each query; -1 = none."""
+        q = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        if q.shape[1] != self.dims:
+            raise DenseError(f"query of {q.shape[1]} dimensions; this index has {self.dims}")
+        k = max(1, min(k, max(int(self.index.ntotal), 1)))
+        scores, rows = self.index.search(q, k)
+        positions = np.where(rows >= 0, self.positions[np.maximum(rows, 0)], -1)
+        return scores, positions
+
+    def keys(self) -> np.ndarray:
+        """[n, dims] float32: every key, decoded from the index (for exact search and recall)."""
+        return self.index.reconstruct_n(0, self.index.ntotal)
+
+
+def dense_retrieve(
+    dense: DenseIndex,
+    tokens: np.ndarray,
+    separator: int,
+    query: np.ndarray,
+    next_token: int,
+    cfg: DenseConfig,
+    doc_starts: np.ndarray | None = None,
+    shard: int = 0,
+) -> DenseRetrieval:
+    """Search ``query`` [dims], keep keys followed by ``next_token``, read the drafts after it."""
+    if dense.index.ntotal == 0:
+        return NO_DENSE
+    scores, positions = dense.search(query, cfg.top_k)
+    return drafts_from_hits(tokens, separator, positions[0], scores[0], next_token, cfg, doc_starts, shard)
