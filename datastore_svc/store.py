@@ -159,8 +159,10 @@ def build(
     shards: int = 1,
     model_name: str = "",
     progress: bool = True,
+    extend: Extend | None = None,
 ) -> BuildReport:
-    """Build a new version at ``out`` from a JSONL corpus (see ``datastore_svc.corpus``)."""
+    """Build a new version at ``out`` from a JSONL corpus (see ``datastore_svc.corpus``);
+    ``extend`` adds more before the version appears (``dense_build.dense_step``)."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -173,7 +175,7 @@ def build(
     tokenize_seconds = time.perf_counter() - t0
     source = {"corpus": str(corpus), "corpus_sha256": sha256_file(Path(corpus))}
     report = write_version(
-        docs, out, len(tokenizer), tokenizer_identity(tokenizer), shards, model_name, source, progress
+        docs, out, len(tokenizer), tokenizer_identity(tokenizer), shards, model_name, source, progress, extend
     )
     report.seconds["tokenize"] = tokenize_seconds
     return report

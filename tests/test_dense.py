@@ -1,0 +1,382 @@
+"""Dense retrieval (DReSD): statistics, FAISS indexes vs exact search, drafts vs a brute-force
+scan, dense versions on disk (build, hidden-state cache, refusal of corrupt parts), and the
+``dresd`` modes against ``ar`` on tiny random models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import engine_for, tiny_model
+from test_lossless_tiny import FLAT_CURVE, NEW, SAMPLES, VOCAB, chi_square_p, exact_distribution, prompts
+
+from datastore_svc.dense import (
+    DenseConfig,
+    DenseError,
+    DenseIndex,
+    DenseStats,
+    IndexParams,
+    build_index,
+    choose_kind,
+    dense_retrieve,
+    drafts_from_hits,
+    exact_search,
+    fit_stats,
+    key_positions,
+    merge_dense,
+    recall_at,
+)
+from datastore_svc.dense_build import DenseBuildConfig, HiddenStates, dense_step
+from datastore_svc.store import (
+    DatastoreError,
+    DatastoreVersion,
+    LocalRetriever,
+    derive_version,
+    write_version,
+)
+from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig, SamplingParams
+from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError
+from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.model import wrap_model
+from llm_worker.planner import CostCurve
+
+SEP = 100
+
+
+def hidden_like(n: int, size: int = 48, seed: int = 0) -> np.ndarray:
+    """Vectors with uneven scales and offsets per dimension, loosely clustered (like hidden
+    states); the structure is fixed, ``seed`` draws other vectors from it."""
+    fixed = np.random.default_rng(1234)
+    centres = fixed.normal(size=(12, size))
+    scale, offset = fixed.uniform(0.2, 5.0, size), fixed.normal(size=size) * 10
+    rng = np.random.default_rng(seed)
+    x = centres[rng.integers(0, 12, size=n)] + rng.normal(size=(n, size))
+    return (x * scale + offset).astype(np.float32)
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+
+def test_zscore_and_pca_round_trip() -> None:
+    h = hidden_like(4000)
+    full = fit_stats(h, h.shape[1])
+    z = (h - full.mean) / full.std
+    assert np.allclose(z.mean(axis=0), 0, atol=1e-3) and np.allclose(z.std(axis=0), 1, atol=1e-3)
+    y = z @ full.components.T + full.offset  # all dimensions: an orthonormal rotation
+    assert np.allclose(full.components @ full.components.T, np.eye(h.shape[1]), atol=1e-4)
+    back = (y - full.offset) @ full.components
+    assert np.allclose(back * full.std + full.mean, h, atol=1e-2 * np.abs(h).max())
+    reduced = fit_stats(h, 8)
+    assert np.allclose(reduced.components, full.components[:8], atol=1e-3)  # the top components
+    q = reduced.project(h)
+    assert q.shape == (4000, 8) and np.allclose(np.linalg.norm(q, axis=1), 1, atol=1e-5)
+    assert np.allclose(reduced.project(h[7]), q[7], atol=1e-6)
+    explained = np.var(z @ reduced.components.T, axis=0)
+    assert (np.diff(explained) <= 1e-3).all(), "components are sorted by explained variance"
+
+
+def test_stats_survive_bytes_and_manifest_and_refuse_corruption() -> None:
+    stats = fit_stats(hidden_like(500), 8)
+    h = hidden_like(10, seed=1)
+    for copy in (DenseStats.from_bytes(stats.to_bytes()), DenseStats.from_manifest(stats.to_manifest())):
+        assert np.array_equal(copy.project(h), stats.project(h))
+    entry = stats.to_manifest()
+    entry["npz_base64"] = entry["npz_base64"][:-8] + "AAAAAAA="
+    with pytest.raises(DenseError, match="checksum|base64"):
+        DenseStats.from_manifest(entry)
+    with pytest.raises(DenseError, match="unreadable"):
+        DenseStats.from_bytes(b"not an npz")
+    with pytest.raises(DenseError, match="hidden state of size"):
+        stats.project(np.zeros(7, np.float32))
+    with pytest.raises(DenseError, match="dims"):
+        fit_stats(hidden_like(100), 49)
+
+
+# -- indexes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,floor", [("flat", 0.99), ("hnsw", 0.95), ("ivf", 0.85), ("ivfpq", 0.6)])
+def test_approximate_indexes_recall_exact_search(kind: str, floor: float, tmp_path: Path) -> None:
+    import faiss
+
+    stats = fit_stats(hidden_like(20_000), 16)
+    keys = stats.project(hidden_like(20_000))
+    queries = stats.project(hidden_like(200, seed=3))
+    index = build_index(keys, kind, IndexParams(pq_bytes=8))
+    faiss.write_index(index, str(tmp_path / "i.faiss"))  # what a shard reads back
+    dense = DenseIndex(faiss.read_index(str(tmp_path / "i.faiss")), np.arange(len(keys)))
+    _, approx = dense.search(queries, 10)
+    _, exact = exact_search(keys, queries, 10)
+    recall = recall_at(approx, exact)
+    assert recall >= floor, f"{kind}: recall@10 {recall:.3f} < {floor}"
+    assert np.allclose(dense.keys(), keys, atol=0.3 if kind == "ivfpq" else 2e-3)
+
+
+def test_auto_index_kind_by_size() -> None:
+    assert choose_kind(1000) == "flat" and choose_kind(10_000_000) == "hnsw"
+    assert choose_kind(10, "ivf") == "ivf"
+    with pytest.raises(DenseError, match="choose one of"):
+        choose_kind(10, "annoy")
+
+
+# -- drafts from hits ---------------------------------------------------------------------------
+
+
+def test_drafts_keep_the_verified_next_token_and_read_what_followed() -> None:
+    tokens = np.array([5, 6, 7, 8, SEP, 5, 6, 7, 9, 4, SEP, 1, 7, SEP], dtype=np.int64)
+    assert key_positions(tokens, SEP).tolist() == [0, 1, 2, 5, 6, 7, 8, 11]
+    cfg = DenseConfig(top_k=8, max_candidates=3, max_length=4)
+    positions = np.array([1, 6, 11, 0, 5, -1])
+    scores = np.array([0.9, 0.8, 0.7, 0.6, 0.5, -1.0])
+    res = drafts_from_hits(tokens, SEP, positions, scores, 7, cfg, np.array([0, 5, 11]), shard=2)
+    # p=1 → next 7, draft [8]; p=6 → next 7, draft [9, 4]; p=11 → next 7, nothing after it; p=0, 5 → next 6
+    assert [c.tokens for c in res.candidates] == [(8,), (9, 4)]
+    assert [c.score for c in res.candidates] == pytest.approx([0.9, 0.8])
+    assert res.candidates[1].source is not None and res.candidates[1].source.document == 1
+    assert res.candidates[1].source.offset == 3 and res.candidates[1].source.shard == 2
+    assert (res.searched, res.matched) == (5, 3)
+    assert drafts_from_hits(tokens, SEP, positions, scores, 42, cfg).candidates == ()
+
+
+def test_equal_drafts_merge_and_shards_merge_by_score() -> None:
+    tokens = np.array([1, 2, 3, SEP, 1, 2, 3, SEP, 1, 2, 4, SEP], dtype=np.int64)
+    cfg = DenseConfig(top_k=8, max_candidates=2, max_length=3)
+    res = drafts_from_hits(tokens, SEP, np.array([4, 0, 8]), np.array([0.9, 0.8, 0.7]), 2, cfg)
+    assert [(c.tokens, c.count) for c in res.candidates] == [((3,), 2), ((4,), 1)]
+    other = drafts_from_hits(tokens, SEP, np.array([8]), np.array([0.95]), 2, cfg)
+    merged = merge_dense([res, other], 2)
+    assert [(c.tokens, c.count, c.score) for c in merged.candidates] == [
+        ((4,), 2, pytest.approx(0.95)),
+        ((3,), 2, pytest.approx(0.9)),
+    ]
+
+
+def test_dense_retrieval_equals_a_brute_force_scan() -> None:
+    rng = np.random.default_rng(4)
+    vocab = 6  # few tokens: many keys share the next token
+    docs = [rng.integers(0, vocab, size=int(rng.integers(5, 40))) for _ in range(60)]
+    tokens = np.concatenate([np.append(d, SEP) for d in docs])
+    starts = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])[:-1]])
+    pos = key_positions(tokens, SEP)
+    keys = fit_stats(hidden_like(len(pos), 24), 12).project(hidden_like(len(pos), 24))
+    dense = DenseIndex(build_index(keys, "flat"), pos)
+    stored = dense.keys()  # float16-rounded: what the index compares against
+    cfg = DenseConfig(top_k=40, max_candidates=5, max_length=6)
+    for trial in range(30):
+        query = keys[rng.integers(len(keys))] + rng.normal(size=12).astype(np.float32) * 0.3
+        query /= np.linalg.norm(query)
+        nxt = int(rng.integers(vocab))
+        got = dense_retrieve(dense, tokens, SEP, query, nxt, cfg, starts)
+        scores = stored @ query
+        order = np.argsort(-scores, kind="stable")[: cfg.top_k]
+        best: dict[tuple[int, ...], float] = {}
+        for row in order:
+            p = int(pos[row])
+            if tokens[p + 1] != nxt:
+                continue
+            draft = []
+            for t in tokens[p + 2 : p + 2 + cfg.max_length]:
+                if t >= SEP:
+                    break
+                draft.append(int(t))
+            if draft and tuple(draft) not in best:
+                best[tuple(draft)] = float(scores[row])
+        expected = sorted(best.items(), key=lambda kv: -kv[1])[: cfg.max_candidates]
+        assert [c.tokens for c in got.candidates] == [d for d, _ in expected], trial
+        assert [c.score for c in got.candidates] == pytest.approx([s for _, s in expected], abs=1e-4)
+
+
+# -- versions on disk ---------------------------------------------------------------------------
+
+
+def own_continuations(model, target, n_prompts: int = 4, new: int = 48) -> list[np.ndarray]:
+    """The model's own greedy continuations of the test prompts plus random documents."""
+    engine = engine_for(target, FLAT_CURVE)
+    docs = []
+    for prompt in prompts(VOCAB)[:n_prompts]:
+        res = engine.generate(GenerationRequest(tuple(prompt), new, "ar", stop_at_eos=False))
+        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
+    rng = np.random.default_rng(1)
+    docs += [rng.integers(0, VOCAB, size=40).astype(np.int32) for _ in range(8)]
+    return docs
+
+
+def dense_version(model, target, path: Path, docs, shards: int = 2, **cfg) -> DatastoreVersion:
+    options = {
+        "dims": 16,
+        "window": 32,
+        "overlap": 8,
+        "chunk_tokens": 120,
+        "cache_dir": path.parent / "hidden",
+    }
+    build_cfg = DenseBuildConfig(**{**options, **cfg})
+    extend = dense_step(model, "tiny", target.info.fingerprint, build_cfg, progress=False)
+    identity = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
+    write_version(docs, path, VOCAB, identity, shards=shards, extend=extend)
+    return DatastoreVersion(path)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    model = tiny_model("llama", vocab=VOCAB, seed=0)
+    return model, wrap_model(model, None, ModelConfig(backend="fast"))
+
+
+def test_batched_windows_compute_the_states_of_one_pass(tiny, tmp_path: Path) -> None:
+    """A document within one window (padded in a batch with a shorter one) gets the states of a
+    plain forward; a longer one is cut into windows that start after ``overlap`` tokens of context."""
+    import torch
+
+    model, _ = tiny
+    doc = np.arange(60, dtype=np.int64) % (VOCAB - 1)
+    with torch.inference_mode():
+        ref = model.base_model(input_ids=torch.from_numpy(doc)[None]).last_hidden_state[0].numpy()
+    whole = HiddenStates(model, "fp", DenseBuildConfig(window=80, overlap=8, batch=2, cache_dir=tmp_path))
+    got = whole.compute([doc, doc[:10]])
+    assert np.allclose(got[:60], ref, atol=2e-2) and np.allclose(got[60:], ref[:10], atol=2e-2)
+    cut = HiddenStates(model, "fp", DenseBuildConfig(window=32, overlap=8, batch=3, cache_dir=tmp_path))
+    windows = cut.compute([doc]).astype(np.float32)
+    assert np.allclose(windows[:24], ref[:24], atol=2e-2)  # the first window saw the same context
+    with torch.inference_mode():  # the second: tokens 24..47 after 8 tokens of context (16..23)
+        second = model.base_model(input_ids=torch.from_numpy(doc[16:48])[None]).last_hidden_state[0].numpy()
+    assert np.allclose(windows[24:48], second[8:], atol=2e-2)
+
+
+def test_dense_version_builds_reuses_cached_states_and_rebuilds_other_dims(tiny, tmp_path: Path) -> None:
+    model, target = tiny
+    docs = own_continuations(model, target)
+    v1 = dense_version(model, target, tmp_path / "v1", docs)
+    dense = v1.manifest["dense"]
+    assert dense["keys"] == sum(len(d) - 1 for d in docs) and dense["dims"] == 16
+    assert dense["model_fingerprint"] == target.info.fingerprint and dense["index"] == "flat"
+    assert dense["chunks"]["computed"] > 0 and v1.dense_stats is not None
+    for shard in v1.manifest["shards"]:
+        assert {"dense.faiss", "positions.npy"} <= set(shard["files"])
+    # another PCA size and index type: a derived version, no hidden state computed again
+    cfg = DenseBuildConfig(
+        dims=8, index="hnsw", window=32, overlap=8, chunk_tokens=120, cache_dir=tmp_path / "hidden"
+    )
+    derive_version(
+        tmp_path / "v1", tmp_path / "v2", dense_step(model, "tiny", target.info.fingerprint, cfg, False)
+    )
+    v2 = DatastoreVersion(tmp_path / "v2")
+    assert v2.manifest["dense"]["chunks"]["computed"] == 0 and v2.manifest["dense"]["dims"] == 8
+    assert v2.manifest["dense"]["index"] == "hnsw" and v2.manifest["build"]["derived_from"] == "v1"
+    assert v2.tokens == v1.tokens
+    # interrupted builds leave nothing behind
+    with pytest.raises(ValueError, match="overlap"):
+        dense_version(model, target, tmp_path / "v3", docs, overlap=40)
+    assert not (tmp_path / "v3").exists() and not list(tmp_path.glob(".v3.tmp-*"))
+
+
+def test_corrupt_dense_parts_are_refused(tiny, tmp_path: Path) -> None:
+    model, target = tiny
+    dense_version(model, target, tmp_path / "v", own_continuations(model, target, 2), shards=1)
+    for name, damage in [("dense.faiss", b"garbage"), ("positions.npy", None)]:
+        bad = tmp_path / f"bad-{name}"
+        shutil.copytree(tmp_path / "v", bad)
+        file = bad / "shard-0000" / name
+        data = bytearray(file.read_bytes())
+        data[-8:] = b"\xff" * 8
+        file.write_bytes(damage if damage is not None else bytes(data))
+        with pytest.raises(DatastoreError, match=f"{name}.*(bytes|checksum)"):
+            DatastoreVersion(bad)
+    bad = tmp_path / "bad-stats"
+    shutil.copytree(tmp_path / "v", bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["dense"]["stats"]["sha256"] = "0" * 64
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatastoreError, match="checksum"):
+        DatastoreVersion(bad)
+
+
+def test_dresd_needs_a_dense_index_of_this_model(tiny, tmp_path: Path) -> None:
+    model, target = tiny
+    docs = own_continuations(model, target, 2)
+    identity = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
+    write_version(docs, tmp_path / "sparse", VOCAB, identity)
+    sparse = DraftResources(LocalRetriever(DatastoreVersion(tmp_path / "sparse")))
+    with pytest.raises(ModeUnavailableError, match="no dense index"):
+        DRAFTERS.create("dresd", target, sparse)
+    assert "rest" in DRAFTERS.available(target, sparse) and "dresd" not in DRAFTERS.available(target, sparse)
+    other = wrap_model(tiny_model("llama", vocab=VOCAB, seed=9), None, ModelConfig(backend="fast"))
+    dense = DraftResources(LocalRetriever(dense_version(model, target, tmp_path / "v", docs)))
+    with pytest.raises(ModeUnavailableError, match="another model"):
+        DRAFTERS.create("dresd", other, dense)
+    assert {"dresd", "dresd-batch"} <= set(DRAFTERS.available(target, dense))
+
+
+# -- dresd against ar ---------------------------------------------------------------------------
+
+CPU_CURVE = CostCurve.linear(0.05, 0.003)
+DRESD_MODES = ["dresd", "dresd:d=5:l=4:k=16", "dresd-batch", "dresd-batch:d=2:l=12"]
+
+
+@pytest.mark.parametrize(
+    "kind,backend,curve",
+    [
+        ("llama", "fast", FLAT_CURVE),
+        ("llama", "fast", CPU_CURVE),
+        ("llama", "hf", CPU_CURVE),
+        ("gpt2", "hf", FLAT_CURVE),
+    ],
+    ids=["llama-fast-flat", "llama-fast-cpu", "llama-hf-cpu", "gpt2-hf-flat"],
+)
+def test_greedy_dresd_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_path: Path) -> None:
+    model = tiny_model(kind, vocab=VOCAB, seed=0)
+    target = wrap_model(model, None, ModelConfig(backend=backend))
+    version = dense_version(model, target, tmp_path / "v", own_continuations(model, target))
+    engine = Engine(
+        target,
+        EngineConfig(planner=PlannerConfig()),
+        curve=curve,
+        resources=DraftResources(LocalRetriever(version)),
+    )
+    drafted = 0
+    for prompt in prompts(VOCAB):
+        ref = engine.generate(GenerationRequest(tuple(prompt), 40, "ar", stop_at_eos=False)).token_ids
+        for mode in DRESD_MODES:
+            res = engine.generate(GenerationRequest(tuple(prompt), 40, mode, stop_at_eos=False))
+            assert res.token_ids == ref, f"{kind}/{backend}/{mode}: differs from ar on {prompt}"
+            assert res.datastore_version == "v"
+            drafted += res.stats.accepted_tokens
+    assert drafted > 0, "dresd never had a draft accepted: the test would prove nothing"
+
+
+@pytest.mark.parametrize("mode", ["dresd", "dresd-batch:d=4"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.3), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)],
+    ids=["t1.3", "t0.8-k5-p0.9"],
+)
+def test_sampling_dresd_matches_exact_distribution(mode: str, params: SamplingParams, tmp_path: Path) -> None:
+    model = tiny_model("llama", vocab=VOCAB, seed=3)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    ar = Engine(target, curve=FLAT_CURVE)
+    docs = []
+    for seed in range(40):  # the model's own samples: drafts often right, siblings common
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=10_000 + seed)
+        res = ar.generate(GenerationRequest(tuple(prompt), 6, "ar", sp, stop_at_eos=False))
+        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
+    version = dense_version(model, target, tmp_path / "v", docs, shards=1)
+    engine = Engine(
+        target,
+        EngineConfig(planner=PlannerConfig()),
+        curve=FLAT_CURVE,
+        resources=DraftResources(LocalRetriever(version)),
+    )
+    dist = exact_distribution(model, prompt, params)
+    counts: dict[tuple[int, ...], int] = {}
+    drafted = 0
+    for seed in range(SAMPLES):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        res = engine.generate(GenerationRequest(tuple(prompt), NEW, mode, sp, stop_at_eos=False))
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        drafted += res.stats.drafted_tokens
+    p = chi_square_p(counts, dist, SAMPLES)
+    assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
+    assert drafted > SAMPLES // 4, f"{mode} hardly drafted ({drafted}); the test would prove nothing"
