@@ -405,20 +405,75 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
     report["in_process"] = retrieval_latency(LocalRetriever(version), contexts, cfg)
     if args.grpc:
         report["grpc"] = _grpc_latency(args.datastore, contexts, cfg)
+    runs = _tau_references(args, tokenizer) if args.tau else []
+    if args.tau:
+        import dataclasses
+
+        from datastore_svc.bench import replay_tau, specdraft_proposer
+
+        report["tau"] = {"references": {"runs": len(runs), "tokens": sum(len(r.reference) for r in runs)}}
+        shapes = {"specdraft": cfg, "specdraft_l4": dataclasses.replace(cfg, max_length=4)}
+        for name, shape in shapes.items():  # L = 4: draftretriever's depth
+            stats = replay_tau(runs, specdraft_proposer(LocalRetriever(version), shape))
+            report["tau"][name] = stats.to_json()
     if args.draftretriever:
         import tempfile
 
-        from datastore_svc.bench import draftretriever_latency
+        from datastore_svc import bench
 
         tokens = [s.tokens for s in version.shards]
         with tempfile.TemporaryDirectory() as tmp:
-            report["draftretriever"] = draftretriever_latency(
-                tokens, version.shards[0].separator, contexts, Path(tmp)
-            )
+            index = Path(tmp) / "draftretriever.idx"
+            built = bench.build_draftretriever(tokens, version.shards[0].separator, index)
+            searcher = bench.DraftRetrieverSearch(index)
+            latency = bench.draftretriever_latency(searcher, contexts)
+            report["draftretriever"] = {**built, "load_seconds": round(searcher.load_seconds, 3), **latency}
+            for name, span in (("draftretriever", 16), ("draftretriever_last2", 2)) if args.tau else ():
+                fresh = bench.DraftRetrieverSearch(index, span)  # its searches change its table
+                stats = bench.replay_tau(runs, bench.draftretriever_proposer(fresh))
+                report["tau"][name] = stats.to_json()
     sys.stdout.write(json.dumps(report) + "\n")
     if args.json_out:
         _write_atomically(Path(args.json_out), json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def _tau_references(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    """The target's greedy answers to --questions: from --references if it exists, else generated
+    (mode ``ar``) and saved there."""
+    from datastore_svc.bench import greedy_references, load_references, save_references
+    from datastore_svc.store import tokenizer_identity
+    from llm_worker.bench.suite import load_questions
+
+    fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
+    if args.references and Path(args.references).exists():
+        try:
+            meta, runs = load_references(args.references)
+        except (OSError, ValueError) as exc:
+            raise CliError(str(exc)) from exc
+        if meta.get("tokenizer_fingerprint") != fingerprint:
+            raise CliError(f"{args.references} was generated with another tokenizer")
+        if meta.get("max_new_tokens") != args.max_new_tokens:
+            raise CliError(f"{args.references} holds answers of {meta.get('max_new_tokens')} new tokens")
+        return runs
+    if not args.questions:
+        raise CliError("--tau needs --questions (or an existing --references file)")
+    try:
+        questions = load_questions(args.questions)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    engine, target, _ = _load(args)
+    entries = greedy_references(engine, tokenizer, questions, args.max_new_tokens)
+    if args.references:
+        meta = {
+            "model": target.info.name,
+            "model_fingerprint": target.info.fingerprint,
+            "tokenizer_fingerprint": fingerprint,
+            "questions": args.questions,
+            "max_new_tokens": args.max_new_tokens,
+        }
+        save_references(args.references, entries, meta)
+    return [run for _, _, run in entries]
 
 
 def _grpc_latency(path: str, contexts: list[Any], cfg: Any) -> dict[str, float]:
@@ -843,7 +898,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.set_defaults(func=_cmd_datastore_local_corpus)
     dbn = dsc_sub.add_parser("bench", help="load time and retrieval latency, in process and over gRPC")
     dbn.add_argument("--datastore", required=True)
-    dbn.add_argument("--model", default=None, help="whose tokenizer (default: SmolLM2-135M-Instruct)")
+    _add_model_args(dbn)
     dbn.add_argument("--queries", type=_positive_int, default=1000)
     dbn.add_argument("--grpc", action="store_true", help="also through shard server processes")
     dbn.add_argument(
@@ -851,6 +906,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also the PyPI draftretriever on the same tokens (if installed)",
     )
+    dbn.add_argument(
+        "--tau", action="store_true", help="also τ by replaying the model's greedy answers to --questions"
+    )
+    dbn.add_argument("--questions", help="Spec-Bench JSONL whose greedy answers --tau replays")
+    dbn.add_argument(
+        "--references", help="JSON of those answers: read if it exists, else generated (ar) and written"
+    )
+    dbn.add_argument("--max-new-tokens", type=_positive_int, default=128, help="answer length for --tau")
     dbn.add_argument("--json-out")
     dbn.set_defaults(func=_cmd_datastore_bench)
     di = dsc_sub.add_parser("info", help="check a version (checksums) and print its manifest summary")

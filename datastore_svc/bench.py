@@ -7,7 +7,13 @@ functions from their signature and docstring (a task set a code corpus covers).
 
 ``retrieval_latency`` times ``retrieve`` calls for contexts cut from the built-in suite's prompts
 (what a worker would send while answering them): p50 / p99 / mean in milliseconds, and how often
-something matched.
+something matched. ``draftretriever_latency`` does the same for the PyPI ``draftretriever``
+indexed over the same tokens.
+
+``replay_tau`` measures τ without the model and without timing: the target's greedy answers
+(``greedy_references``, saved with ``save_references``) are replayed step by step against a
+drafter's candidates, exactly as greedy speculative decoding would accept them — so τ of our
+retriever and of ``draftretriever`` compare on the same tokens, independent of the hardware.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import os
 import statistics
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -139,18 +146,11 @@ def retrieval_latency(retriever: Any, contexts: list[np.ndarray], cfg: Retrieval
     }
 
 
-def draftretriever_latency(
-    shard_tokens: list[np.ndarray], separator: int, contexts: list[np.ndarray], workdir: Path
-) -> dict[str, Any]:
-    """The PyPI ``draftretriever`` (if installed) on the same tokens and contexts, called the way
-    REST's generation loop calls its retriever (suffix spans 16..2, first hit wins, choices=64).
+DRAFTRETRIEVER_MAX_NODES = 64  # draftretriever's draft buffers keep at most 64 nodes
+DRAFTRETRIEVER_PAD = -2  # pads its paths to one length
 
-    Caution: ``draftretriever`` 0.1.1 on PyPI is the ADED fork of REST's DraftRetriever — a
-    tri-gram table searched from the last two tokens, not a suffix array — so this compares
-    latency and build cost, not identical retrieval.
-    """
-    import draftretriever
 
+def _draftretriever_docs(shard_tokens: list[np.ndarray], separator: int) -> list[list[int]]:
     docs: list[list[int]] = []
     for tokens in shard_tokens:
         values = np.asarray(tokens, dtype=np.int64)
@@ -158,34 +158,104 @@ def draftretriever_latency(
             doc = doc[doc != separator]
             if len(doc) >= 3:
                 docs.append(doc.tolist())
-    path = workdir / "draftretriever.idx"
+    return docs
+
+
+def build_draftretriever(shard_tokens: list[np.ndarray], separator: int, path: Path) -> dict[str, Any]:
+    """Index the datastore's documents with the PyPI ``draftretriever``: build time and size.
+
+    Caution: ``draftretriever`` 0.1.1 on PyPI is the ADED fork of REST's DraftRetriever — a
+    tri-gram table searched from the last two tokens (drafts up to 4 tokens deep, by a tree search
+    over the table, which every search also adapts to its query), not a suffix array — so this
+    compares cost and τ with that library, not identical retrieval.
+    """
+    import draftretriever
+
+    docs = _draftretriever_docs(shard_tokens, separator)
     t0 = time.perf_counter()
     writer = draftretriever.Writer(file_path=str(path), vocab_size=separator + 1)
     for ids in docs:
         writer.add_entry(ids)
     writer.finalize()
     del writer
-    build = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    reader = draftretriever.Reader(index_file_path=str(path))
-    load = time.perf_counter() - t0
+    return {
+        "library": "draftretriever " + _version("draftretriever"),
+        "build_seconds": round(time.perf_counter() - t0, 3),
+        "bytes_per_token": round(path.stat().st_size / max(sum(len(d) for d in docs), 1), 2),
+    }
+
+
+class DraftRetrieverSearch:
+    """A fresh ``draftretriever.Reader``, searched as REST's loop does.
+
+    Each search also raises, in the reader's table, the tri-grams of the query's last 16 tokens
+    (the library adapts to the context: a prompt lookup of sorts). ``longest_span=2`` sends only
+    the last two tokens — the corpus table alone, unchanged by searches.
+    """
+
+    def __init__(self, path: Path, longest_span: int = 16) -> None:
+        import draftretriever
+
+        t0 = time.perf_counter()
+        self.reader = draftretriever.Reader(index_file_path=str(path))
+        self.load_seconds = time.perf_counter() - t0
+        self.longest_span = longest_span
+
+    def search(self, query: list[int]) -> list[list[int]]:
+        """Suffix spans 16..2 of ``query``, first hit wins, choices=64: the hit's padded paths."""
+        if len(query) < 2:  # the library aborts the process on shorter queries
+            return []
+        for span in range(min(self.longest_span, len(query)), 1, -1):
+            found = self.reader.search(query[-span:], choices=64)
+            if len(found[0]):
+                return list(found[0])
+        return []
+
+
+def draftretriever_tree(
+    paths: Sequence[Sequence[int]], max_nodes: int = DRAFTRETRIEVER_MAX_NODES
+) -> list[tuple[int, ...]]:
+    """The tree nodes (token paths) that draftretriever's draft buffers keep from its ``paths``.
+
+    The library numbers each depth's distinct tokens in order of first appearance over the paths,
+    names a node by the numbers along its path, sorts the names (shorter first, then
+    lexicographically) and keeps the first 64: its mask and tree / retrieve indices cover only
+    those. Example: paths [[9, 9, -2], [4, 5, 6]], max_nodes 3 → depth 0 numbers 9:0, 4:1, depth 1
+    9:0, 5:1 → names (0,) (1,) (0, 0) (1, 1) (1, 1, 0) → kept (9,), (4,), (9, 9).
+    """
+    numbers: list[dict[int, int]] = []
+    names: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for path in paths:
+        tokens = [int(t) for t in path if t != DRAFTRETRIEVER_PAD]
+        for depth, token in enumerate(tokens):
+            if depth == len(numbers):
+                numbers.append({})
+            numbers[depth].setdefault(token, len(numbers[depth]))
+        for depth in range(len(tokens)):
+            node = tuple(tokens[: depth + 1])
+            names[node] = tuple(numbers[d][t] for d, t in enumerate(node))
+    return sorted(names, key=lambda node: (len(node), names[node]))[:max_nodes]
+
+
+def draftretriever_proposer(searcher: DraftRetrieverSearch) -> Propose:
+    def propose(context: np.ndarray) -> list[tuple[int, ...]]:
+        return draftretriever_tree(searcher.search([int(t) for t in context[-16:]]))
+
+    return propose
+
+
+def draftretriever_latency(searcher: DraftRetrieverSearch, contexts: list[np.ndarray]) -> dict[str, Any]:
+    """Milliseconds per search (p50, p99, mean) on the contexts ``retrieval_latency`` times."""
     times, matched = [], 0
     for ctx in contexts:
         query = [int(t) for t in ctx]
-        if len(query) < 2:  # the library aborts the process on shorter queries
+        if len(query) < 2:
             continue
         t0 = time.perf_counter()
-        for span in range(min(16, len(query)), 1, -1):
-            found = reader.search(query[-span:], choices=64)
-            if len(found[0]):
-                matched += 1
-                break
+        found = searcher.search(query)
         times.append((time.perf_counter() - t0) * 1000.0)
+        matched += bool(found)
     return {
-        "library": "draftretriever " + _version("draftretriever"),
-        "build_seconds": round(build, 3),
-        "bytes_per_token": round(path.stat().st_size / max(sum(len(d) for d in docs), 1), 2),
-        "load_seconds": round(load, 3),
         "calls": len(times),
         "p50_ms": round(statistics.median(times), 3),
         "p99_ms": round(percentile(times, 0.99), 3),
@@ -194,7 +264,173 @@ def draftretriever_latency(
     }
 
 
+# -- τ by replay --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """A prompt and the target model's greedy continuation of it (what mode ``ar`` generates)."""
+
+    prompt: tuple[int, ...]
+    reference: tuple[int, ...]
+
+
+Propose = Callable[[np.ndarray], Sequence[Sequence[int]]]
+"""context ([T] ints, its last token the root) → candidate token sequences continuing the root."""
+
+
+def draft_nodes(candidates: Sequence[Sequence[int]]) -> int:
+    """Nodes of the candidates' trie (distinct non-empty prefixes): [[4, 2], [4, 9], [7]] → 4."""
+    return len({tuple(c[: i + 1]) for c in candidates for i in range(len(c))})
+
+
+def accepted_length(candidates: Sequence[Sequence[int]], target: Sequence[int]) -> int:
+    """The longest path of the candidates' trie equal to a prefix of ``target``.
+
+    Every trie path is a prefix of some candidate, so this is the longest common prefix of
+    ``target`` with any candidate: [[4, 2], [4, 9, 1], [7]] and target [4, 9, 5] → 2.
+    """
+    best = 0
+    for cand in candidates:
+        n = 0
+        for a, b in zip(cand, target, strict=False):
+            if a != b:
+                break
+            n += 1
+        best = max(best, n)
+    return best
+
+
+@dataclass
+class ReplayStats:
+    """Verification steps of a greedy generation replayed against its reference tokens.
+
+    A step verifies one draft tree: its ``accepted`` tokens (the longest tree path the target
+    agrees with) plus one bonus token (the target's own next token) are emitted, so
+    τ = emitted / steps = 1 + accepted / steps.
+    """
+
+    steps: int = 0
+    emitted: int = 0
+    accepted: int = 0
+    drafted_steps: int = 0  # steps with a non-empty draft
+    nodes: int = 0  # draft tree nodes over all steps
+
+    def observe_step(self, accepted: int, nodes: int) -> None:
+        self.steps += 1
+        self.emitted += accepted + 1
+        self.accepted += accepted
+        self.drafted_steps += nodes > 0
+        self.nodes += nodes
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def to_json(self) -> dict[str, float]:
+        steps = max(self.steps, 1)
+        return {
+            "tau": round(self.tau, 3),
+            "mean_accepted": round(self.accepted / steps, 3),
+            "drafted_share": round(self.drafted_steps / steps, 3),
+            "mean_nodes": round(self.nodes / steps, 2),
+            "steps": self.steps,
+            "tokens": self.emitted,
+        }
+
+
+def replay_tau(runs: Sequence[ReferenceRun], propose: Propose) -> ReplayStats:
+    """τ of a drafter under greedy decoding, without the model: replay the reference tokens.
+
+    Under greedy decoding a draft token is accepted exactly when it equals the reference token at
+    its position, so the steps of speculative decoding follow from the references alone. At
+    generated position i the context is prompt + reference[: i + 1] (the root, reference[i], was
+    emitted last); the drafter proposes candidates; the step accepts the longest trie path equal
+    to reference[i + 1 :] and emits it plus the bonus token; i moves past them. The first token
+    (the prompt's forward) is not a step. The last step's bonus token is the reference's last, so
+    at most len(reference) - 2 - i drafts are accepted at position i. (The engine also caps a
+    draft at the tokens still wanted, so an answer cut at max_new_tokens may take it a step or two
+    more; answers that end with EOS take the same steps.)
+
+    Example: reference [5, 6, 7, 8, 9], candidates always [[6, 7], [6, 9]]: at i = 0 (root 5)
+    [6, 7] is accepted, 6 7 8 are emitted; at i = 3 (root 8) nothing is accepted, 9 is emitted →
+    2 steps, 4 tokens, τ = 2.0.
+    """
+    stats = ReplayStats()
+    for run in runs:
+        full = np.asarray(run.prompt + run.reference, dtype=np.int64)
+        start, n = len(run.prompt), len(run.reference)
+        i = 0
+        while i < n - 1:
+            candidates = propose(full[: start + i + 1])
+            target = run.reference[i + 1 :]
+            accepted = min(accepted_length(candidates, target), len(target) - 1)
+            stats.observe_step(accepted, draft_nodes(candidates))
+            i += accepted + 1
+    return stats
+
+
+def specdraft_proposer(retriever: Any, cfg: RetrievalConfig) -> Propose:
+    """Our retriever as the ``rest`` drafter calls it: the last c_max tokens, the candidates' paths."""
+
+    def propose(context: np.ndarray) -> list[tuple[int, ...]]:
+        result, _ = retriever.retrieve(context[-cfg.c_max :], cfg)
+        return [c.tokens for c in result.candidates]
+
+    return propose
+
+
+def greedy_references(
+    engine: Any, tokenizer: Any, questions: Sequence[Any], max_new_tokens: int
+) -> list[tuple[str, int, ReferenceRun]]:
+    """(question id, turn, run) per turn: ``ar``'s answers, prompted exactly as ``specdraft bench`` does."""
+    from llm_worker.bench.runner import _run_turns
+    from llm_worker.bench.runners import Outcome, engine_runner
+
+    ar = engine_runner(engine, "ar")
+    prompts: list[list[int]] = []  # the prompts of the current question's turns
+
+    def recording(prompt: list[int], max_new: int) -> Outcome:
+        prompts.append(list(prompt))
+        return ar(prompt, max_new)
+
+    out: list[tuple[str, int, ReferenceRun]] = []
+    for question in questions:
+        prompts.clear()
+        outcomes = _run_turns(recording, tokenizer, question, max_new_tokens)
+        for turn, (prompt, outcome) in enumerate(zip(prompts, outcomes, strict=True)):
+            out.append((question.question_id, turn, ReferenceRun(tuple(prompt), tuple(outcome.token_ids))))
+    return out
+
+
 def _version(package: str) -> str:
     from importlib.metadata import version
 
     return version(package)
+
+
+def save_references(
+    path: str | Path, runs: Sequence[tuple[str, int, ReferenceRun]], meta: dict[str, Any]
+) -> None:
+    """``meta`` (who generated, how many new tokens) and the runs as JSON, written atomically."""
+    payload = {
+        **meta,
+        "runs": [
+            {"question_id": qid, "turn": turn, "prompt": list(r.prompt), "reference": list(r.reference)}
+            for qid, turn, r in runs
+        ],
+    }
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload) + "\n")
+    os.replace(tmp, path)
+
+
+def load_references(path: str | Path) -> tuple[dict[str, Any], list[ReferenceRun]]:
+    """The meta fields and runs ``save_references`` wrote; ValueError if the file is not one."""
+    try:
+        payload = json.loads(Path(path).read_text())
+        runs = [ReferenceRun(tuple(r["prompt"]), tuple(r["reference"])) for r in payload.pop("runs")]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a references file: {exc!r}") from None
+    return payload, runs
