@@ -7,11 +7,16 @@ step drafts nothing. Nothing here can fail a generation.
 Versions: a request's first retrieval is answered by whatever version the shards serve; the
 version most of them answered with is returned and the caller pins later calls to it (during a
 swap shards may briefly disagree — answers of another version are dropped, never mixed).
+
+Dense retrieval sends the reduced query embedding and the verified next token; the statistics
+that make the embedding come from a shard's Info call (``dense_stats``; the caller caches them,
+and Redis first — ``datastore_svc.cache``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -19,6 +24,16 @@ import grpc
 import numpy as np
 
 from client.stubs import datastore_pb2, datastore_pb2_grpc
+from datastore_svc.dense import (
+    NO_DENSE,
+    DenseCandidate,
+    DenseConfig,
+    DenseError,
+    DenseRetrieval,
+    DenseSource,
+    DenseStats,
+    merge_dense,
+)
 from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge
 
 log = logging.getLogger(__name__)
@@ -33,6 +48,20 @@ def from_response(resp: datastore_pb2.RetrieveResponse) -> Retrieval:
     return Retrieval(tuple(candidates), resp.match_length, resp.occurrences, resp.sampled)
 
 
+def from_dense_response(resp: datastore_pb2.RetrieveResponse) -> DenseRetrieval:
+    candidates = []
+    for c in resp.candidates:
+        source = (
+            DenseSource(c.source.shard, c.source.document, c.source.offset) if c.HasField("source") else None
+        )
+        candidates.append(DenseCandidate(tuple(c.tokens), float(c.score), int(c.count), source))
+    return DenseRetrieval(tuple(candidates), resp.sampled, resp.occurrences)
+
+
+class DatastoreUnavailable(RuntimeError):
+    """No shard answered (the caller drafts without the datastore this step)."""
+
+
 class RemoteDatastore:
     """The ``Retriever`` protocol over shard servers at ``addresses`` (one per shard)."""
 
@@ -44,6 +73,11 @@ class RemoteDatastore:
         self._channels = [grpc.insecure_channel(a) for a in self.addresses]
         self._stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in self._channels]
         self.failures: Counter[str] = Counter()  # per address: calls that failed or timed out
+        self.info_timeout = 0.5
+        self.recheck_seconds = 5.0
+        self._stats_failed: dict[str, float] = {}  # version -> when no shard could describe it
+        self._current = ""
+        self._checked = -1e9  # when the shards were last asked for their version
 
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
         request = datastore_pb2.RetrieveRequest(
@@ -55,19 +89,82 @@ class RemoteDatastore:
             max_nodes=cfg.max_nodes,
             version=version,
         )
+        answers = self._gather(request)
+        if not answers:
+            return Retrieval((), 0, 0, 0), version
+        chosen = version or Counter(a.version for a in answers).most_common(1)[0][0]
+        self._current = self._current if version else chosen
+        results = [from_response(a) for a in answers if a.version == chosen]
+        return merge(results, cfg.max_nodes, cfg.max_candidates), chosen
+
+    def _gather(self, request: datastore_pb2.RetrieveRequest) -> list[datastore_pb2.RetrieveResponse]:
         calls = [stub.Retrieve.future(request, timeout=self.deadline) for stub in self._stubs]
-        answers: list[datastore_pb2.RetrieveResponse] = []
+        answers = []
         for address, call in zip(self.addresses, calls, strict=True):
             try:
                 answers.append(call.result())
             except grpc.RpcError as exc:
                 self.failures[address] += 1
                 log.debug("shard %s missing this step: %s", address, exc.code())
+        return answers
+
+    def retrieve_dense(
+        self, query: np.ndarray, next_token: int, cfg: DenseConfig, version: str = ""
+    ) -> tuple[DenseRetrieval, str]:
+        request = datastore_pb2.RetrieveRequest(
+            embedding=np.asarray(query, dtype=np.float32).tolist(),
+            next_token=int(next_token),
+            top_k=cfg.top_k,
+            max_candidates=cfg.max_candidates,
+            max_length=cfg.max_length,
+            version=version,
+        )
+        answers = self._gather(request)
         if not answers:
-            return Retrieval((), 0, 0, 0), version
+            return NO_DENSE, version
         chosen = version or Counter(a.version for a in answers).most_common(1)[0][0]
-        results = [from_response(a) for a in answers if a.version == chosen]
-        return merge(results, cfg.max_nodes, cfg.max_candidates), chosen
+        results = [from_dense_response(a) for a in answers if a.version == chosen]
+        return merge_dense(results, cfg.max_candidates), chosen
+
+    def current_version(self) -> str:
+        """The version most shards serve (asked at most every ``recheck_seconds``; "" = none answers)."""
+        now = time.monotonic()
+        if now - self._checked < self.recheck_seconds:
+            return self._current
+        self._checked = now
+        request = datastore_pb2.ShardInfoRequest()
+        calls = [stub.GetShardInfo.future(request, timeout=self.info_timeout) for stub in self._stubs]
+        versions = []
+        for call in calls:
+            try:
+                versions.append(call.result().version)
+            except grpc.RpcError:
+                continue
+        if versions:
+            self._current = Counter(versions).most_common(1)[0][0]
+        return self._current
+
+    def dense_stats(self, version: str) -> tuple[DenseStats | None, str]:
+        """(the dense statistics of ``version`` from the first shard that has it, its model fingerprint)."""
+        failed = self._stats_failed.get(version)
+        if failed is not None and time.monotonic() - failed < self.recheck_seconds:
+            raise DatastoreUnavailable(f"no shard described version {version!r} (asked again shortly)")
+        request = datastore_pb2.ShardInfoRequest(include_stats=True, version=version)
+        errors = []
+        for address, stub in zip(self.addresses, self._stubs, strict=True):
+            try:
+                info = stub.GetShardInfo(request, timeout=self.info_timeout)
+            except grpc.RpcError as exc:
+                errors.append(f"{address}: {exc.code().name}")
+                continue
+            if not info.HasField("dense") or not info.dense.stats:
+                return None, ""
+            try:
+                return DenseStats.from_bytes(info.dense.stats), info.dense.model_fingerprint
+            except DenseError as exc:
+                errors.append(f"{address}: {exc}")
+        self._stats_failed[version] = time.monotonic()
+        raise DatastoreUnavailable(f"no shard described version {version!r}: {'; '.join(errors)}")
 
     def info(self, timeout: float = 5.0) -> list[datastore_pb2.ShardInfo]:
         return [stub.GetShardInfo(datastore_pb2.ShardInfoRequest(), timeout=timeout) for stub in self._stubs]

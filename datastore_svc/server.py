@@ -1,9 +1,11 @@
 """A datastore shard as a gRPC server: a thin ``grpc.aio`` servicer over ``ShardState``.
 
-Retrieve (sparse), GetShardInfo, and the admin calls LoadVersion / SwapVersion; the standard
-health service and server reflection; Prometheus metrics on an HTTP port. Bad input gets
-INVALID_ARGUMENT, an unknown version NOT_FOUND, a version that cannot be loaded
-FAILED_PRECONDITION — and the shard keeps serving its current version.
+Retrieve (sparse when the request carries context tokens, dense when it carries an embedding),
+GetShardInfo (with the dense statistics on request), and the admin calls LoadVersion /
+SwapVersion; the standard health service and server reflection; Prometheus metrics on an HTTP
+port. Bad input gets INVALID_ARGUMENT, an unknown version NOT_FOUND, a version that cannot be
+loaded (or has no dense index) FAILED_PRECONDITION — and the shard keeps serving its current
+version. With a Redis URL, the shard publishes each loaded version's dense statistics there.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from client.stubs import datastore_pb2, datastore_pb2_grpc
+from datastore_svc.cache import StatsCache, link_for
+from datastore_svc.dense import DenseConfig, DenseRetrieval
 from datastore_svc.retrieval import Retrieval, RetrievalConfig
 from datastore_svc.shard import ShardState, VersionNotLoaded
 from datastore_svc.store import DatastoreError
@@ -34,6 +38,7 @@ MAX_CONTEXT = 1024
 MAX_LENGTH = 256
 MAX_CANDIDATES = 1024
 MAX_OCCURRENCES = 100_000
+MAX_TOP_K = 4096
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,10 @@ class ShardServerConfig:
     grace_seconds: float = 10.0
     defaults: RetrievalConfig = field(default_factory=RetrievalConfig)
     """N and max_nodes when a request leaves them 0."""
+    dense_defaults: DenseConfig = field(default_factory=DenseConfig)
+    """top_k, D and L of dense retrieval when a request leaves them 0."""
+    redis_url: str | None = None
+    """Publish each loaded version's dense statistics here (a cache: Redis down is harmless)."""
 
 
 @dataclass
@@ -101,6 +110,32 @@ def retrieval_config(msg: datastore_pb2.RetrieveRequest, defaults: RetrievalConf
     )
 
 
+def dense_config(msg: datastore_pb2.RetrieveRequest, defaults: DenseConfig, dims: int) -> DenseConfig:
+    """The request's dense retrieval shape, checked; ValueError names the bad field."""
+    if len(msg.embedding) != dims:
+        raise ValueError(f"embedding has {len(msg.embedding)} dimensions; this version's keys have {dims}")
+    if msg.top_k > MAX_TOP_K or msg.max_length > MAX_LENGTH or msg.max_candidates > MAX_CANDIDATES:
+        raise ValueError(f"top_k ≤ {MAX_TOP_K}, max_length ≤ {MAX_LENGTH}, max_candidates ≤ {MAX_CANDIDATES}")
+    return DenseConfig(
+        top_k=msg.top_k or defaults.top_k,
+        max_candidates=msg.max_candidates or defaults.max_candidates,
+        max_length=msg.max_length or defaults.max_length,
+    )
+
+
+def dense_response(result: DenseRetrieval, version: str) -> datastore_pb2.RetrieveResponse:
+    resp = datastore_pb2.RetrieveResponse(
+        version=version, occurrences=result.matched, sampled=result.searched
+    )
+    for cand in result.candidates:
+        msg = resp.candidates.add(tokens=cand.tokens, count=cand.count, score=cand.score)
+        if cand.source is not None:
+            msg.source.shard = cand.source.shard
+            msg.source.document = cand.source.document
+            msg.source.offset = cand.source.offset
+    return resp
+
+
 def to_response(result: Retrieval, version: str) -> datastore_pb2.RetrieveResponse:
     resp = datastore_pb2.RetrieveResponse(
         version=version,
@@ -124,11 +159,14 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
         self.cfg = cfg
         self.metrics = metrics
         self.draining = False
+        self.stats_cache = StatsCache(link_for(cfg.redis_url)) if cfg.redis_url else None
 
     async def Retrieve(self, request: Any, context: Any) -> datastore_pb2.RetrieveResponse:
         t0 = time.perf_counter()
         if self.draining:
             await self._abort(context, "Retrieve", grpc.StatusCode.UNAVAILABLE, "the shard is shutting down")
+        if len(request.embedding):
+            return await self._retrieve_dense(request, context, t0)
         try:
             cfg = retrieval_config(request, self.cfg.defaults)
             store = self.state.version(request.version)
@@ -150,18 +188,59 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
         self.metrics.requests.labels("Retrieve", "OK").inc()
         return to_response(result, version)
 
+    async def _retrieve_dense(self, request: Any, context: Any, t0: float) -> datastore_pb2.RetrieveResponse:
+        try:
+            store = self.state.version(request.version)
+        except VersionNotLoaded as exc:
+            await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
+        if store.dense_stats is None:
+            message = f"version {store.version} has no dense index (build it with --dense)"
+            await self._abort(context, "Retrieve", grpc.StatusCode.FAILED_PRECONDITION, message)
+        separator = int(store.manifest["separator"])
+        query = np.asarray(request.embedding, dtype=np.float32)
+        try:
+            cfg = dense_config(request, self.cfg.dense_defaults, store.dense_stats.dims)
+            if not np.isfinite(query).all():
+                raise ValueError("embedding has non-finite values")
+            if not 0 <= request.next_token < separator:
+                raise ValueError(f"next_token must lie in [0, {separator})")
+        except ValueError as exc:
+            await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            result, version = self.state.retrieve_dense(query, int(request.next_token), cfg, store.version)
+        except VersionNotLoaded as exc:
+            await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
+        self.metrics.latency.observe(time.perf_counter() - t0)
+        self.metrics.candidates.observe(len(result.candidates))
+        self.metrics.requests.labels("Retrieve", "OK").inc()
+        return dense_response(result, version)
+
     async def GetShardInfo(self, request: Any, context: Any) -> datastore_pb2.ShardInfo:
-        current = self.state.current
+        try:
+            store = self.state.version(request.version)
+        except VersionNotLoaded as exc:
+            await self._abort(context, "GetShardInfo", grpc.StatusCode.NOT_FOUND, str(exc))
         self.metrics.requests.labels("GetShardInfo", "OK").inc()
-        return datastore_pb2.ShardInfo(
+        info = datastore_pb2.ShardInfo(
             shard=self.state.index,
-            shards=current.num_shards,
-            version=current.version,
-            tokenizer=str(current.manifest["tokenizer"].get("fingerprint", "")),
-            model=str(current.manifest.get("model", "")),
-            tokens=current.tokens,
+            shards=store.num_shards,
+            version=store.version,
+            tokenizer=str(store.manifest["tokenizer"].get("fingerprint", "")),
+            model=str(store.manifest.get("model", "")),
+            tokens=store.tokens,
             loaded_versions=self.state.loaded_versions(),
         )
+        stats = store.dense_stats
+        if stats is not None:
+            dense = store.manifest["dense"]
+            info.dense.dims = stats.dims
+            info.dense.keys = sum(s.dense.index.ntotal for s in store.shards if s.dense is not None)
+            info.dense.index = str(dense.get("index", ""))
+            info.dense.model_fingerprint = store.dense_model
+            info.dense.stats_digest = stats.digest()
+            if request.include_stats:
+                info.dense.stats = stats.to_bytes()
+        return info
 
     async def LoadVersion(self, request: Any, context: Any) -> datastore_pb2.LoadVersionResponse:
         if not request.path:
@@ -171,6 +250,7 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
         except DatastoreError as exc:
             await self._abort(context, "LoadVersion", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         log.info("shard %d loaded version %s", self.state.index, name)
+        await asyncio.to_thread(self.publish_stats, name)
         self.metrics.requests.labels("LoadVersion", "OK").inc()
         return datastore_pb2.LoadVersionResponse(version=name)
 
@@ -184,6 +264,17 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
         self.metrics.tokens.set(self.state.current.tokens)
         self.metrics.requests.labels("SwapVersion", "OK").inc()
         return datastore_pb2.SwapVersionResponse(previous=previous, current=current)
+
+    def publish_stats(self, name: str = "") -> None:
+        """Put the version's dense statistics in Redis for workers (no-op without Redis or stats)."""
+        store = self.state.version(name)
+        stats = store.dense_stats
+        if (
+            self.stats_cache is not None
+            and stats is not None
+            and self.stats_cache.publish(store.version, stats)
+        ):
+            log.info("published the dense statistics of %s to redis", store.version)
 
     async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
         self.metrics.requests.labels(method, code.name).inc()
@@ -219,6 +310,7 @@ class ShardServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
         await self.server.start()
+        await asyncio.to_thread(self.servicer.publish_stats)
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         for service in ("", SERVICE_NAME):

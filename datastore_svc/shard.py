@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from datastore_svc.dense import DenseConfig, DenseRetrieval
 from datastore_svc.retrieval import Retrieval, RetrievalConfig
 from datastore_svc.store import DatastoreError, DatastoreVersion
 
@@ -65,6 +66,12 @@ class ShardState:
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
         store = self.version(version)
         return store.retrieve(context, cfg), store.version
+
+    def retrieve_dense(
+        self, query: np.ndarray, next_token: int, cfg: DenseConfig, version: str = ""
+    ) -> tuple[DenseRetrieval, str]:
+        store = self.version(version)
+        return store.retrieve_dense(query, next_token, cfg), store.version
 
     def load(self, path: str) -> str:
         """Open a version of this shard beside the current one; its name. Errors leave all as is."""

@@ -346,11 +346,13 @@ def test_greedy_dresd_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_p
     assert drafted > 0, "dresd never had a draft accepted: the test would prove nothing"
 
 
-@pytest.mark.parametrize("mode", ["dresd", "dresd-batch:d=4"])
 @pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=1.3), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)],
-    ids=["t1.3", "t0.8-k5-p0.9"],
+    "mode,params",
+    [
+        ("dresd", SamplingParams(temperature=1.3)),
+        ("dresd-batch:d=4", SamplingParams(temperature=0.8, top_k=5, top_p=0.9)),
+    ],
+    ids=["dresd-t1.3", "batch-t0.8-k5-p0.9"],
 )
 def test_sampling_dresd_matches_exact_distribution(mode: str, params: SamplingParams, tmp_path: Path) -> None:
     model = tiny_model("llama", vocab=VOCAB, seed=3)

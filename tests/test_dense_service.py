@@ -1,0 +1,255 @@
+"""Dense retrieval through real shard servers on loopback and a real Redis: remote = in process,
+precise statuses, statistics published and read back, the query cache, and generations that
+stay identical to ``ar`` when shards or Redis die."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import tiny_model
+from test_datastore_service import ShardThread, SlowShard
+from test_dense import dense_version, own_continuations
+from test_lossless_tiny import FLAT_CURVE, VOCAB, prompts
+from test_registry import RedisServer
+
+from client.stubs import datastore_pb2, datastore_pb2_grpc
+from datastore_svc.cache import QueryCache, RedisLink, StatsCache
+from datastore_svc.dense import DenseConfig
+from datastore_svc.fanout import RemoteDatastore
+from datastore_svc.server import ShardServer, ShardServerConfig
+from datastore_svc.shard import ShardState
+from datastore_svc.store import DatastoreVersion, LocalRetriever, write_version
+from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig
+from llm_worker.drafters import DraftResources
+from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.model import wrap_model
+
+pytestmark = pytest.mark.redis
+CFG = DenseConfig(top_k=32, max_candidates=3, max_length=8)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny model, a 2-shard dense version of its own continuations, the engine's reference outputs."""
+    root = tmp_path_factory.mktemp("dense-service")
+    model = tiny_model("llama", vocab=VOCAB, seed=0)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    version = dense_version(model, target, root / "v", own_continuations(model, target), shards=2)
+    ar = Engine(target, curve=FLAT_CURVE)
+    refs = [
+        ar.generate(GenerationRequest(tuple(p), 40, "ar", stop_at_eos=False)).token_ids
+        for p in prompts(VOCAB)
+    ]
+    return model, target, version, root, refs
+
+
+def queries_of(version: DatastoreVersion, n: int = 20) -> list[tuple[np.ndarray, int]]:
+    """Queries near stored keys, each with the next token of a nearby key (so that drafts exist)."""
+    rng = np.random.default_rng(0)
+    shard = version.shards[0]
+    assert shard.dense is not None
+    keys = shard.dense.keys()
+    out = []
+    for row in rng.integers(0, len(keys), size=n):
+        q = keys[row] + rng.normal(size=keys.shape[1]).astype(np.float32) * 0.05
+        out.append((q / np.linalg.norm(q), int(shard.tokens[int(shard.dense.positions[row]) + 1])))
+    return out
+
+
+def engine_with(target, retriever, **resources) -> Engine:
+    return Engine(
+        target,
+        EngineConfig(planner=PlannerConfig()),
+        curve=FLAT_CURVE,
+        resources=DraftResources(retriever, **resources),
+    )
+
+
+def test_remote_dense_retrieval_equals_in_process(setup) -> None:
+    _, _, version, root, _ = setup
+    servers = [ShardThread(ShardState.open(root / "v", i)) for i in range(2)]
+    try:
+        remote = RemoteDatastore([s.address for s in servers], deadline=5.0)
+        assert remote.current_version() == "v"
+        stats, model = remote.dense_stats("v")
+        assert stats is not None and stats.digest() == version.dense_stats.digest()
+        assert model == version.dense_model
+        found = 0
+        for query, nxt in queries_of(version):
+            local = version.retrieve_dense(query, nxt, CFG)
+            got, answered = remote.retrieve_dense(query, nxt, CFG)
+            assert answered == "v"
+            assert [c.tokens for c in got.candidates] == [c.tokens for c in local.candidates]
+            assert [c.score for c in got.candidates] == pytest.approx([c.score for c in local.candidates])
+            found += len(got.candidates)
+        assert found > 0
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_bad_dense_requests_get_precise_statuses(setup, tmp_path: Path) -> None:
+    _, _, version, root, _ = setup
+    identity = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
+    write_version([np.arange(20, dtype=np.int32) % VOCAB], tmp_path / "sparse", VOCAB, identity)
+    dense, sparse = (
+        ShardThread(ShardState.open(root / "v", 0)),
+        ShardThread(ShardState.open(tmp_path / "sparse", 0)),
+    )
+    try:
+        dims = version.dense_stats.dims
+        ok = [0.25] * dims
+        cases = [
+            (
+                dense,
+                dict(embedding=[0.1] * (dims + 1), next_token=1),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "dimensions",
+            ),
+            (
+                dense,
+                dict(embedding=[float("nan")] * dims, next_token=1),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "finite",
+            ),
+            (dense, dict(embedding=ok, next_token=VOCAB + 5), grpc.StatusCode.INVALID_ARGUMENT, "next_token"),
+            (dense, dict(embedding=ok, next_token=-1), grpc.StatusCode.INVALID_ARGUMENT, "next_token"),
+            (dense, dict(embedding=ok, next_token=1, top_k=10**6), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+            (dense, dict(embedding=ok, next_token=1, version="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+            (sparse, dict(embedding=ok, next_token=1), grpc.StatusCode.FAILED_PRECONDITION, "no dense index"),
+        ]
+        for server, fields, code, words in cases:
+            with grpc.insecure_channel(server.address) as channel:
+                stub = datastore_pb2_grpc.DatastoreStub(channel)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Retrieve(datastore_pb2.RetrieveRequest(**fields), timeout=10)
+                assert err.value.code() == code and words in err.value.details(), fields
+                # and the shard keeps serving
+                good = stub.Retrieve(datastore_pb2.RetrieveRequest(context=[1, 2]), timeout=10)
+                assert good.version in ("v", "sparse")
+    finally:
+        dense.stop()
+        sparse.stop()
+
+
+def test_generation_survives_a_killed_and_a_slow_dense_shard(setup, tmp_path: Path) -> None:
+    model, target, _, _, refs = setup
+    version = dense_version(model, target, tmp_path / "v3", own_continuations(model, target), shards=3)
+    assert version.num_shards == 3
+
+    class SlowDense(SlowShard):
+        def retrieve_dense(self, *args, **kwargs):
+            import time
+
+            time.sleep(self.delay)
+            return super().retrieve_dense(*args, **kwargs)
+
+    healthy, killed = ShardState.open(tmp_path / "v3", 0), ShardState.open(tmp_path / "v3", 1)
+    slow = SlowDense(DatastoreVersion(tmp_path / "v3", shards=[2]), 2)
+    servers = [ShardThread(s) for s in (healthy, killed, slow)]
+    try:
+        servers[1].stop()
+        remote = RemoteDatastore([s.address for s in servers], deadline=0.1)
+        engine = engine_with(target, remote)
+        drafted = 0
+        for prompt, ref in zip(prompts(VOCAB), refs, strict=True):
+            for mode in ("dresd", "dresd-batch"):
+                res = engine.generate(GenerationRequest(tuple(prompt), 40, mode, stop_at_eos=False))
+                assert res.token_ids == ref, f"{mode} differs from ar with shards lost"
+                drafted += res.stats.drafted_tokens
+        assert drafted > 0
+        assert remote.failures[servers[1].address] > 0 and remote.failures[servers[2].address] > 0
+    finally:
+        servers[0].stop()
+        servers[2].stop()
+
+
+@pytest.fixture()
+def redis_server():
+    server = RedisServer()
+    yield server
+    if server.proc.poll() is None:
+        server.stop()
+
+
+def test_stats_are_published_to_redis_and_read_back(setup, redis_server: RedisServer) -> None:
+    import asyncio
+
+    _, _, version, root, _ = setup
+    state = ShardState.open(root / "v", 0)
+
+    async def publish() -> None:
+        server = ShardServer(state, ShardServerConfig(port=0, redis_url=redis_server.url))
+        await server.start()
+        await server.stop(0)
+
+    asyncio.run(publish())
+    cache = StatsCache(RedisLink(redis_server.url))
+
+    def no_fallback(v: str) -> None:
+        raise AssertionError("the statistics should have come from redis")
+
+    stats = cache.get("v", no_fallback)
+    assert stats is not None and stats.digest() == version.dense_stats.digest() and cache.redis_hits == 1
+    h = np.random.default_rng(0).normal(size=(3, stats.hidden_size)).astype(np.float32)
+    assert np.array_equal(stats.project(h), version.dense_stats.project(h))
+
+
+def test_query_cache_hits_return_identical_drafts(setup, redis_server: RedisServer) -> None:
+    """A second worker (its own engine and caches, the same Redis) answering the same request
+    takes every step's drafts from the cache — never searching — and drafts exactly the same."""
+    _, target, version, _, refs = setup
+    prompt = prompts(VOCAB)[0]
+
+    def worker() -> tuple[Engine, QueryCache]:
+        link = RedisLink(redis_server.url)
+        queries = QueryCache(link, ttl=60)
+        return engine_with(
+            target, LocalRetriever(version), dense_stats=StatsCache(link), dense_queries=queries
+        ), queries
+
+    first_engine, first_cache = worker()
+    first = first_engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
+    assert first_cache.counters.stores > 0 and first_cache.counters.hits == 0
+    original = LocalRetriever.retrieve_dense
+
+    def forbid(*args, **kwargs):
+        raise AssertionError("a cached step searched again")
+
+    second_engine, second_cache = worker()
+    LocalRetriever.retrieve_dense = forbid  # type: ignore[method-assign]
+    try:
+        again = second_engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
+    finally:
+        LocalRetriever.retrieve_dense = original  # type: ignore[method-assign]
+    assert again.token_ids == first.token_ids == refs[0]
+    assert (again.stats.drafted_tokens, again.stats.accepted_tokens, again.stats.target_forwards) == (
+        first.stats.drafted_tokens,
+        first.stats.accepted_tokens,
+        first.stats.target_forwards,
+    )
+    assert second_cache.counters.misses == 0 and second_cache.counters.hits > 0
+    assert second_cache.counters.saved_seconds == 0  # this worker never paid for a miss to compare with
+    keys = second_cache.link.client.keys("specdraft:datastore:v:dense-q:*")
+    assert keys and all(0 < second_cache.link.client.ttl(k) <= 60 for k in keys)
+
+
+def test_redis_killed_mid_run_changes_nothing(setup, redis_server: RedisServer) -> None:
+    _, target, version, _, refs = setup
+    link = RedisLink(redis_server.url, timeout=0.05, retry_after=0.5)
+    queries = QueryCache(link)
+    engine = engine_with(target, LocalRetriever(version), dense_stats=StatsCache(link), dense_queries=queries)
+    drafted_after = 0
+    for i, (prompt, ref) in enumerate(zip(prompts(VOCAB), refs, strict=True)):
+        if i == 2:
+            redis_server.proc.kill()
+            redis_server.proc.wait(10)
+        for mode in ("dresd", "dresd-batch"):
+            res = engine.generate(GenerationRequest(tuple(prompt), 40, mode, stop_at_eos=False))
+            assert res.token_ids == ref, f"{mode} prompt {i} differs after redis died"
+            drafted_after += res.stats.drafted_tokens if i >= 2 else 0
+    assert link.errors > 0, "redis was killed, the cache must have noticed"
+    assert drafted_after > 0, "without redis, dresd still drafts (statistics cached in process)"
