@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,11 @@ def _add_datastore_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--datastore-deadline-ms", type=float, default=20.0, help="per-shard deadline of a remote retrieval"
     )
+    g.add_argument(
+        "--dense-cache",
+        help="redis://HOST:PORT[/DB] caching dense statistics and query results (dresd), shared by workers",
+    )
+    g.add_argument("--dense-cache-ttl", type=int, default=600, help="seconds a cached dense query lives")
 
 
 def _resources(args: argparse.Namespace, tokenizer: Any) -> Any:
@@ -108,6 +114,7 @@ def _resources(args: argparse.Namespace, tokenizer: Any) -> Any:
     path, addr = getattr(args, "datastore", None), getattr(args, "datastore_addr", None)
     if path and addr:
         raise CliError("give --datastore or --datastore-addr, not both")
+    retriever: Any = None
     if path:
         from datastore_svc.store import DatastoreError, DatastoreVersion, LocalRetriever, tokenizer_identity
 
@@ -117,13 +124,22 @@ def _resources(args: argparse.Namespace, tokenizer: Any) -> Any:
             )
         except DatastoreError as exc:
             raise CliError(str(exc)) from exc
-        return DraftResources(LocalRetriever(version))
-    if addr:
+        retriever = LocalRetriever(version)
+    elif addr:
         from datastore_svc.fanout import RemoteDatastore
 
         addresses = [a.strip() for a in addr.split(",") if a.strip()]
-        return DraftResources(RemoteDatastore(addresses, deadline=args.datastore_deadline_ms / 1000.0))
-    return DraftResources()
+        retriever = RemoteDatastore(addresses, deadline=args.datastore_deadline_ms / 1000.0)
+    if retriever is None:
+        return DraftResources()
+    from datastore_svc.cache import QueryCache, StatsCache, link_for
+
+    try:
+        link = link_for(getattr(args, "dense_cache", None))
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    queries = QueryCache(link, ttl=args.dense_cache_ttl) if link is not None else None
+    return DraftResources(retriever, dense_stats=StatsCache(link), dense_queries=queries)
 
 
 # -- generate ------------------------------------------------------------------------------
@@ -307,29 +323,112 @@ def _load_tokenizer(args: argparse.Namespace) -> Any:
     return AutoTokenizer.from_pretrained(path), path
 
 
+def _dense_step(args: argparse.Namespace) -> tuple[Any, Any, Path]:
+    """(the build step adding the dense index, the model's tokenizer, the model directory)."""
+    from datastore_svc.dense import IndexParams
+    from datastore_svc.dense_build import DenseBuildConfig, dense_step
+    from llm_worker.config import ModelConfig
+    from llm_worker.model import load_target
+    from llm_worker.model.loading import ModelNotFoundError, resolve_model_dir
+
+    _quiet_libraries()
+    try:
+        model_dir = resolve_model_dir(args.model)
+        target, tokenizer = load_target(
+            ModelConfig(
+                path=args.model, dtype=args.dtype, device=args.device, threads=args.threads, backend="hf"
+            )
+        )
+    except (ModelNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    try:
+        cfg = DenseBuildConfig(
+            dims=args.pca_dims,
+            index=args.index,
+            params=IndexParams(hnsw_m=args.hnsw_m, ivf_lists=args.ivf_lists, pq_bytes=args.pq_bytes),
+            window=args.window,
+            overlap=min(64, args.window // 4) if args.overlap is None else args.overlap,
+            batch=args.batch,
+            sample=args.stats_sample,
+            cache_dir=Path(args.hidden_cache) if args.hidden_cache else None,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    info = target.info
+    return dense_step(target.model, info.name, info.fingerprint, cfg, not args.quiet), tokenizer, model_dir
+
+
 def _cmd_datastore_build(args: argparse.Namespace) -> int:
     from datastore_svc.corpus import CorpusError
-    from datastore_svc.store import DatastoreError, build
+    from datastore_svc.dense import DenseError
+    from datastore_svc.store import (
+        DatastoreError,
+        DatastoreVersion,
+        build,
+        derive_version,
+        tokenizer_identity,
+    )
 
-    tokenizer, model_dir = _load_tokenizer(args)
-    if not Path(args.corpus).is_file():
+    if args.source and not args.dense:
+        raise CliError("--from adds a dense index to an existing version's tokens: add --dense")
+    if bool(args.source) == bool(args.corpus):
+        raise CliError("give --corpus FILE (a new version) or --from VERSION --dense (a dense rebuild)")
+    if args.corpus and not Path(args.corpus).is_file():
         raise CliError(f"corpus {args.corpus} does not exist")
+    extend = None
+    if args.dense:
+        extend, tokenizer, model_dir = _dense_step(args)
+    else:
+        tokenizer, model_dir = _load_tokenizer(args)
+    t0 = time.perf_counter()
     try:
-        report = build(args.corpus, tokenizer, args.out, args.shards, str(model_dir), progress=not args.quiet)
-    except (DatastoreError, CorpusError) as exc:
+        if args.source:
+            source = DatastoreVersion(args.source, verify=False)
+            fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
+            if source.manifest["tokenizer"].get("fingerprint") != fingerprint:
+                raise CliError(f"{args.source} was built with another tokenizer than {model_dir}'s")
+            derive_version(args.source, args.out, extend)
+        else:
+            build(args.corpus, tokenizer, args.out, args.shards, str(model_dir), not args.quiet, extend)
+        version = DatastoreVersion(args.out, verify=False)
+    except (DatastoreError, CorpusError, DenseError) as exc:
         raise CliError(str(exc)) from exc
-    total = sum(report.seconds.values())
-    payload = {
-        "path": str(report.path),
-        "version": report.version,
-        "documents": report.documents,
-        "tokens": report.tokens,
-        "shards": args.shards,
-        "seconds": {k: round(v, 3) for k, v in report.seconds.items()},
-        "tokens_per_second": round(report.tokens / max(total, 1e-9), 1),
-        "bytes": report.bytes,
-        "bytes_per_token": round(report.bytes_per_token, 2),
+    m = version.manifest
+    seconds = time.perf_counter() - t0
+    files = [e["files"] for e in m["shards"]]
+    sparse_bytes = sum(f[n]["bytes"] for f in files for n in f if n in ("tokens.npy", "sa.npy", "docs.npy"))
+    payload: dict[str, Any] = {
+        "path": str(version.path),
+        "version": version.version,
+        "documents": m.get("documents"),
+        "tokens": m.get("tokens"),
+        "shards": version.num_shards,
+        "seconds": round(seconds, 3),
+        "build_seconds": m["build"].get("seconds"),
+        "tokens_per_second": round(int(m.get("tokens", 0)) / max(seconds, 1e-9), 1),
+        "bytes": sparse_bytes,
+        "bytes_per_token": round(sparse_bytes / max(int(m.get("tokens", 0)), 1), 2),
     }
+    if "dense" in m:
+        dense = m["dense"]
+        dense_bytes = sum(f[n]["bytes"] for f in files for n in f if n in ("dense.faiss", "positions.npy"))
+        payload["dense"] = {
+            "keys": dense["keys"],
+            "dims": dense["dims"],
+            "index": dense["index"],
+            "seconds": dense["seconds"],
+            "chunks": dense["chunks"],
+            "bytes": dense_bytes,
+            "bytes_per_key": round(dense_bytes / max(dense["keys"], 1), 2),
+        }
+        if args.redis and version.dense_stats is not None:
+            from datastore_svc.cache import StatsCache, link_for
+
+            try:
+                published = StatsCache(link_for(args.redis)).publish(version.version, version.dense_stats)
+            except ValueError as exc:
+                raise CliError(str(exc)) from exc
+            payload["dense"]["published_to_redis"] = published
     sys.stdout.write(json.dumps(payload) + "\n")
     return 0
 
@@ -505,6 +604,56 @@ def _grpc_latency(path: str, contexts: list[Any], cfg: Any) -> dict[str, float]:
             stop_processes(shards, grace_seconds=0.0)
 
 
+def _cmd_datastore_eval(args: argparse.Namespace) -> int:
+    from datastore_svc.corpus import CorpusError, read_documents
+    from datastore_svc.dense_build import DenseBuildConfig, HiddenStates
+    from datastore_svc.dense_eval import evaluate
+    from datastore_svc.store import DatastoreError, DatastoreVersion, tokenize_documents, tokenizer_identity
+    from llm_worker.config import ModelConfig
+    from llm_worker.model import load_target
+    from llm_worker.model.loading import ModelNotFoundError
+
+    _quiet_libraries()
+    ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
+    if not ks or ks[0] < 1:
+        raise CliError("--k takes positive integers, e.g. 1,8,32")
+    if not Path(args.corpus).is_file():
+        raise CliError(f"corpus {args.corpus} does not exist")
+    try:
+        target, tokenizer = load_target(
+            ModelConfig(
+                path=args.model, dtype=args.dtype, device=args.device, threads=args.threads, backend="hf"
+            )
+        )
+        fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
+        reports = {}
+        cfg = DenseBuildConfig(
+            window=args.window,
+            overlap=min(64, args.window // 4),
+            cache_dir=Path(args.hidden_cache) if args.hidden_cache else None,
+        )
+        states = HiddenStates(target.model, target.info.fingerprint, cfg)
+        docs = tokenize_documents(read_documents(args.corpus, tokenizer), tokenizer)
+        if not docs:
+            raise CliError(f"{args.corpus}: no documents")
+        hidden = [states.chunk([d])[0] for d in docs]
+        for path in args.datastore:
+            version = DatastoreVersion(path, tokenizer_fingerprint=fingerprint)
+            if version.dense_model and version.dense_model != target.info.fingerprint:
+                raise CliError(f"{path}: dense keys of another model than {target.info.name}")
+            report = evaluate(version, hidden, docs, ks, n=args.n, count=args.positions, seed=args.seed)
+            reports[version.version] = {"dims": version.dense_stats.dims if version.dense_stats else 0}
+            reports[version.version].update(report.as_dict())
+    except (ModelNotFoundError, DatastoreError, CorpusError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    payload = {"corpus": args.corpus, "continuation": args.n, "versions": reports}
+    text = json.dumps(payload, indent=1)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+    sys.stdout.write(text + "\n")
+    return 0
+
+
 def _cmd_datastore_info(args: argparse.Namespace) -> int:
     from datastore_svc.store import DatastoreError, DatastoreVersion
 
@@ -525,6 +674,8 @@ def _cmd_datastore_info(args: argparse.Namespace) -> int:
         "load_seconds": round(version.load_seconds, 3),
         "build": m.get("build"),
     }
+    if "dense" in m:
+        payload["dense"] = {k: v for k, v in m["dense"].items() if k != "stats"}
     sys.stdout.write(json.dumps(payload) + "\n")
     return 0
 
@@ -552,7 +703,11 @@ def _cmd_serve_datastore(args: argparse.Namespace) -> int:
     except DatastoreError as exc:
         raise CliError(str(exc)) from exc
     cfg = ShardServerConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port, grace_seconds=args.grace_seconds
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        grace_seconds=args.grace_seconds,
+        redis_url=args.redis,
     )
 
     def ready(port: int) -> None:
@@ -864,18 +1019,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="keep a swapped-out version this long for its requests",
     )
+    ds.add_argument("--redis", help="publish each loaded version's dense statistics here (redis://HOST:PORT)")
     ds.set_defaults(func=_cmd_serve_datastore)
 
     dsc = sub.add_parser("datastore", help="build, inspect and swap datastore versions")
     dsc_sub = dsc.add_subparsers(dest="action", required=True)
     bd = dsc_sub.add_parser("build", help="build a new version from a JSONL corpus")
-    bd.add_argument(
-        "--corpus", required=True, help='JSONL of {"text"}, {"prompt","response"} or {"messages"}'
-    )
+    bd.add_argument("--corpus", help='JSONL of {"text"}, {"prompt","response"} or {"messages"}')
     bd.add_argument("--out", required=True, help="the new version directory (must not exist)")
     bd.add_argument("--shards", type=_positive_int, default=1)
-    bd.add_argument("--model", default=None, help="whose tokenizer (default: SmolLM2-135M-Instruct)")
+    _add_model_args(bd)
     bd.add_argument("--quiet", action="store_true", help="no progress bars")
+    dn = bd.add_argument_group("dense index (DReSD): the model's hidden states, reduced, in FAISS")
+    dn.add_argument("--dense", action="store_true", help="also build the dense index beside the sparse one")
+    dn.add_argument(
+        "--from", dest="source", help="a dense rebuild over this version's tokens (other dims or index type)"
+    )
+    dn.add_argument("--pca-dims", type=_positive_int, default=64, help="query / key dimensions")
+    dn.add_argument("--index", default="auto", choices=["auto", "flat", "hnsw", "ivf", "ivfpq"])
+    dn.add_argument("--hnsw-m", type=_positive_int, default=32)
+    dn.add_argument("--ivf-lists", type=int, default=0, help="0 = about 4 sqrt(keys)")
+    dn.add_argument("--pq-bytes", type=int, default=0, help="ivfpq bytes per key (0 = dims / 2)")
+    dn.add_argument("--window", type=_positive_int, default=512, help="tokens per forward window")
+    dn.add_argument(
+        "--overlap", type=int, default=None, help="context tokens before each window (default window/4, ≤ 64)"
+    )
+    dn.add_argument("--batch", type=_positive_int, default=4, help="windows per forward")
+    dn.add_argument("--stats-sample", type=_positive_int, default=262_144, help="vectors PCA is fitted on")
+    dn.add_argument("--hidden-cache", help="hidden-state cache (default: ~/.cache/specdraft/hidden)")
+    dn.add_argument("--redis", help="publish the statistics to this Redis (redis://HOST:PORT)")
     bd.set_defaults(func=_cmd_datastore_build)
     dg = dsc_sub.add_parser("generate", help="the model's own answers to prompts, as a corpus (resumable)")
     _add_model_args(dg)
@@ -916,6 +1088,18 @@ def build_parser() -> argparse.ArgumentParser:
     dbn.add_argument("--max-new-tokens", type=_positive_int, default=128, help="answer length for --tau")
     dbn.add_argument("--json-out")
     dbn.set_defaults(func=_cmd_datastore_bench)
+    de = dsc_sub.add_parser("eval", help="dense index quality: MRR of the true continuation, recall vs exact")
+    de.add_argument("--datastore", required=True, nargs="+", help="dense version(s), compared side by side")
+    de.add_argument("--corpus", required=True, help="held-out JSONL (text the versions were not built from)")
+    _add_model_args(de)
+    de.add_argument("--k", default="1,8,32,128", help="cut-offs for MRR, hit rate and recall")
+    de.add_argument("--n", type=_positive_int, default=4, help="continuation length of the second MRR")
+    de.add_argument("--positions", type=_positive_int, default=2000, help="held-out positions sampled")
+    de.add_argument("--window", type=_positive_int, default=512)
+    de.add_argument("--hidden-cache", help="hidden-state cache (default: ~/.cache/specdraft/hidden)")
+    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--json-out")
+    de.set_defaults(func=_cmd_datastore_eval)
     di = dsc_sub.add_parser("info", help="check a version (checksums) and print its manifest summary")
     di.add_argument("path")
     di.add_argument("--no-verify", action="store_true", help="skip the checksums")

@@ -48,6 +48,14 @@ class DenseBuildConfig:
     """Hidden-state cache; None = ``~/.cache/specdraft/hidden``."""
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.window < 2 or not 0 <= self.overlap < self.window:
+            raise ValueError(
+                f"need window >= 2 and 0 <= overlap < window (got {self.window}, {self.overlap})"
+            )
+        if self.batch < 1 or self.chunk_tokens < 1 or self.sample < 2:
+            raise ValueError("batch and chunk_tokens must be positive, sample at least 2")
+
 
 @dataclass
 class DenseBuildReport:
@@ -70,8 +78,6 @@ class HiddenStates:
     """The target's last hidden states of documents, computed in batched windows and cached per chunk."""
 
     def __init__(self, model: Any, fingerprint: str, cfg: DenseBuildConfig) -> None:
-        if cfg.window < 2 or not 0 <= cfg.overlap < cfg.window:
-            raise ValueError("need window >= 2 and 0 <= overlap < window")
         self.model = model
         self.cfg = cfg
         self.cache = cfg.cache_dir or default_cache_dir()

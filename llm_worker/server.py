@@ -286,6 +286,11 @@ class WorkerServer:
         self.worker = worker
         self.cfg = cfg
         self.metrics = metrics or WorkerMetrics()
+        queries = worker.engine.resources.dense_queries
+        if queries is not None:  # hit rate and saved time of the dense query cache
+            from datastore_svc.cache import CacheCollector
+
+            self.metrics.registry.register(CacheCollector(queries))
         self.registry = registry
         self.metrics_port: int | None = None
         self._heartbeat: asyncio.Task[None] | None = None

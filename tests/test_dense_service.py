@@ -253,3 +253,68 @@ def test_redis_killed_mid_run_changes_nothing(setup, redis_server: RedisServer) 
             drafted_after += res.stats.drafted_tokens if i >= 2 else 0
     assert link.errors > 0, "redis was killed, the cache must have noticed"
     assert drafted_after > 0, "without redis, dresd still drafts (statistics cached in process)"
+
+
+def test_cli_dense_build_rebuild_eval_generate(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    import json
+
+    from client.cli import main
+
+    texts = [f"def add_{i}(x, y):\n    return x + y * {i}\n\nprint(add_{i}(1, 2))\n" for i in range(30)]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[:24]) + "\n")
+    (tmp_path / "held.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[24:]) + "\n")
+    common = ["--model", str(tiny_dir), "--quiet", "--hidden-cache", str(tmp_path / "h"), "--window", "64"]
+    build = ["datastore", "build", "--dense", *common]
+    assert (
+        main(
+            [*build, "--corpus", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "a"), "--pca-dims", "16"]
+        )
+        == 0
+    )
+    built = json.loads(capsys.readouterr().out)
+    dense = built["dense"]
+    assert dense["dims"] == 16 and dense["keys"] > 0 and dense["chunks"]["computed"] > 0
+    assert dense["bytes_per_key"] > 0 and dense["index"] == "flat"
+    rebuild = [*build, "--from", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--pca-dims", "8"]
+    assert main([*rebuild, "--index", "hnsw"]) == 0
+    rebuilt = json.loads(capsys.readouterr().out)["dense"]
+    assert rebuilt["chunks"]["computed"] == 0 and rebuilt["dims"] == 8 and rebuilt["index"] == "hnsw"
+    assert main(["datastore", "info", str(tmp_path / "b")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["dense"]["dims"] == 8 and info["build"]["derived_from"] == "a"
+
+    evaluate = ["datastore", "eval", "--datastore", str(tmp_path / "a"), str(tmp_path / "b")]
+    assert main([*evaluate, "--corpus", str(tmp_path / "held.jsonl"), *common[:2], "--k", "1,8"]) == 0
+    report = json.loads(capsys.readouterr().out)["versions"]
+    assert set(report) == {"a", "b"} and report["b"]["dims"] == 8
+    assert 0 <= report["a"]["mrr"]["1"]["8"] <= 1 and 0 <= report["b"]["recall_vs_exact"]["8"] <= 1
+    assert report["a"]["recall_vs_exact"]["8"] == 1.0  # flat: exact
+
+    gen = ["generate", "def add_3(x, y):", "--model", str(tiny_dir), "--max-new-tokens", "12", "--json"]
+    assert main([*gen, "--datastore", str(tmp_path / "a"), "--mode", "dresd"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert main([*gen]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
+    assert out["datastore_version"] == "a"
+
+    assert main(["datastore", "build", "--from", str(tmp_path / "a"), "--out", str(tmp_path / "x")]) == 2
+    assert "add --dense" in capsys.readouterr().err
+    assert main([*rebuild[:-4], "--corpus", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "y")]) == 2
+    assert "--corpus FILE" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "datastore",
+                "build",
+                "--corpus",
+                str(tmp_path / "c.jsonl"),
+                "--out",
+                str(tmp_path / "s"),
+                *common[:2],
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert main([*gen, "--datastore", str(tmp_path / "s"), "--mode", "dresd"]) == 2
+    assert "no dense index" in capsys.readouterr().err
