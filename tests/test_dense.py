@@ -85,7 +85,7 @@ def test_stats_survive_bytes_and_manifest_and_refuse_corruption() -> None:
         assert np.array_equal(copy.project(h), stats.project(h))
     entry = stats.to_manifest()
     entry["npz_base64"] = entry["npz_base64"][:-8] + "AAAAAAA="
-    with pytest.raises(DenseError, match="checksum|base64"):
+    with pytest.raises(DenseError, match=r"checksum|base64"):
         DenseStats.from_manifest(entry)
     with pytest.raises(DenseError, match="unreadable"):
         DenseStats.from_bytes(b"not an npz")
@@ -382,3 +382,39 @@ def test_sampling_dresd_matches_exact_distribution(mode: str, params: SamplingPa
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert drafted > SAMPLES // 4, f"{mode} hardly drafted ({drafted}); the test would prove nothing"
+
+
+# -- intrinsic evaluation -----------------------------------------------------------------------
+
+
+def test_reciprocal_ranks_and_relevance() -> None:
+    from datastore_svc.dense_eval import reciprocal_ranks, relevance
+
+    rel = np.array([[False, True, True], [False, False, False], [True, False, False]])
+    assert reciprocal_ranks(rel).tolist() == [0.5, 0.0, 1.0]
+    tokens = np.array([5, 6, 7, SEP, 5, 6, 8, SEP], dtype=np.int64)
+    positions = np.array([[0, 4, -1], [1, 5, 2]])
+    truth = np.array([[6, 7], [7, SEP]])  # the second: a key never stores the separator
+    assert relevance(tokens, SEP, positions, truth).tolist() == [[True, False, False], [False, False, False]]
+    assert relevance(tokens, SEP, positions, truth[:, :1]).tolist() == [
+        [True, True, False],
+        [True, False, False],
+    ]
+
+
+def test_eval_finds_the_keys_of_seen_text(tiny, tmp_path: Path) -> None:
+    """Positions of text the datastore holds retrieve their own key first (MRR 1 for the next token
+    at k=1 when the states are identical), and the flat index recalls exact search fully."""
+    from datastore_svc.dense_eval import evaluate
+
+    model, target = tiny
+    docs = own_continuations(model, target, 3)
+    version = dense_version(model, target, tmp_path / "v", docs, shards=2)
+    states = HiddenStates(
+        model, target.info.fingerprint, DenseBuildConfig(window=32, overlap=8, cache_dir=tmp_path / "hidden")
+    )
+    hidden = [states.chunk([np.asarray(d, dtype=np.int64)])[0] for d in docs]
+    report = evaluate(version, hidden, docs, ks=(1, 8), n=2, count=200)
+    assert report.queries == 200
+    assert report.mrr["1"][1] > 0.9 and report.hit["2"][8] > 0.9
+    assert report.recall[8] == pytest.approx(1.0)
