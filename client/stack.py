@@ -60,7 +60,8 @@ class StackConfig:
     grace_seconds: float = 30.0
     """Drain time given to each worker on ``down``."""
     datastore: str | None = None
-    """A datastore version directory: one shard server per shard, and workers use them for rest."""
+    """A datastore version directory: one shard server per shard, and workers use them for rest
+    and (if the version has a dense index) dresd; Redis then caches dense statistics and queries."""
     datastore_port: int = 50061
     """gRPC port of the first shard server (counting up); 0 = free ports."""
 
@@ -311,6 +312,8 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                 argv += ["--registry", state.registry]
             if datastore_addr:
                 argv += ["--datastore-addr", datastore_addr]
+                if state.registry:  # dense statistics and query results, shared by the workers
+                    argv += ["--dense-cache", state.registry]
             argv += list(cfg.worker_args)
             proc = _spawn(f"worker-{i}", "worker", argv, f"127.0.0.1:{port}", logs / f"worker-{i}.log")
             proc.metrics = metrics
@@ -348,6 +351,8 @@ def start_shards(cfg: StackConfig, state: StackState, state_dir: Path, logs: Pat
             )
         argv = [sys.executable, "-m", "client.cli", "serve", "datastore", "--datastore", str(cfg.datastore)]
         argv += ["--shard", str(i), "--port", str(port)]
+        if state.registry:  # shards publish dense statistics where workers look first
+            argv += ["--redis", state.registry]
         proc = _spawn(f"shard-{i}", "datastore", argv, f"127.0.0.1:{port}", logs / f"shard-{i}.log")
         state.processes.append(proc)
         shards.append(proc)
