@@ -86,16 +86,18 @@ def sample_range(lo: int, hi: int, n: int) -> np.ndarray:
     """Up to n indices of [lo, hi), evenly spaced, in order."""
     if hi - lo <= n:
         return np.arange(lo, hi, dtype=np.int64)
-    return np.unique(np.linspace(lo, hi - 1, n).round().astype(np.int64))
+    # the spacing exceeds 1 and rounding moves a point by at most 1/2: no index repeats
+    return np.linspace(lo, hi - 1, n).round().astype(np.int64)
 
 
 def continuation_matrix(tokens: np.ndarray, starts: np.ndarray, length: int, separator: int) -> np.ndarray:
     """[len(starts), length] tokens following each start; PAD from the first separator or the end."""
-    idx = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
-    inside = idx < len(tokens)
-    mat = np.asarray(tokens[np.minimum(idx, len(tokens) - 1)], dtype=np.int64)
-    ended = np.cumsum(~inside | (mat >= separator), axis=1) > 0
-    mat[ended] = PAD
+    idx = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]  # [N, L]
+    mat = tokens.take(idx, mode="clip").astype(np.int64)
+    stop = mat >= separator
+    if len(idx) and idx[:, -1].max() >= len(tokens):
+        stop |= idx >= len(tokens)
+    mat[np.logical_or.accumulate(stop, axis=1)] = PAD
     return mat
 
 
@@ -104,35 +106,40 @@ class _Nodes:
     depth: np.ndarray  # [num_nodes] 0 = first continuation token
     row: np.ndarray  # [num_nodes] first row of the node's group
     count: np.ndarray  # [num_nodes]
-    parent: np.ndarray  # [num_nodes] -1 = hangs off the root
-    run: np.ndarray  # [L, N] size of the node (run of rows) containing row i at depth d
+    holder: np.ndarray  # [L, N] the node holding row i at depth d (meaningless where row i is PAD)
+
+    def parents(self, ids: np.ndarray) -> np.ndarray:
+        """[len(ids)] parent of each node, -1 = hangs off the root."""
+        depth = self.depth[ids]
+        return np.where(depth > 0, self.holder[depth - 1, self.row[ids]], -1)  # depth 0: wraps, masked
 
 
 def trie_of_sorted(mat: np.ndarray) -> _Nodes:
     """The trie of the rows of ``mat`` ([N, L], rows in lexicographic order, PAD-padded).
 
     Sorted rows that share a prefix are adjacent, so a node is a run of rows: at depth d a new
-    node starts at row i when row i agrees with row i-1 on fewer than d + 1 leading tokens (their
-    LCP ≤ d). Everything is computed at once over the [L, N] grid of (depth, row) starts, in
-    depth-major order; a node's parent is the last start at depth d - 1 at or before its row.
+    node starts at row i when row i disagrees with row i-1 on the first d + 1 tokens (row 0 starts
+    a node at every depth). Everything is computed at once over the [L, N] grid of (depth, row)
+    starts, in depth-major order: a node runs to the next start (each depth's first row is one);
+    its parent is the node holding its first row at depth d - 1.
     """
     n, length = mat.shape
     if n == 0 or length == 0:
         empty = np.zeros(0, dtype=np.int64)
-        return _Nodes(empty, empty, empty, empty, np.zeros((length, n), dtype=np.int64))
-    equal = mat[1:] == mat[:-1]  # [N-1, L]
-    lcp = np.full(n, -1, dtype=np.int64)  # [N] shared leading tokens with the previous row
-    lcp[1:] = np.where(equal.all(axis=1), length, equal.argmin(axis=1))
-    starts = lcp[None, :] <= np.arange(length)[:, None]  # [L, N] a node starts at (depth, row)
-    flat = np.flatnonzero(starts.ravel())  # depth-major positions d * N + i
-    depth, row = flat // n, flat % n
-    size = np.minimum(np.append(flat[1:], length * n), (depth + 1) * n) - flat
-    parent_pos = np.searchsorted(flat, flat - n, side="right") - 1  # last start at depth - 1, row ≤ i
-    valid = mat[row, depth] != PAD
+        return _Nodes(empty, empty, empty, np.zeros((length, n), dtype=np.int64))
+    cols = mat.T  # [L, N]
+    agree = np.logical_and.accumulate(cols[:, 1:] == cols[:, :-1], axis=0)  # [L, N-1] rows i, i+1 to depth d
+    starts = np.ones((length, n), dtype=bool)  # [L, N] a node starts at (depth, row)
+    starts[:, 1:] = ~agree
+    flat = np.flatnonzero(starts)  # depth-major positions d * N + i
+    depth, row = np.divmod(flat, n)
+    size = np.empty_like(flat)
+    size[:-1] = flat[1:] - flat[:-1]
+    size[-1] = length * n - flat[-1]
+    valid = (cols != PAD).ravel()[flat]
     node_id = np.cumsum(valid) - 1  # ids of the valid starts, in order
-    parent = np.where(depth > 0, node_id[np.maximum(parent_pos, 0)], -1)
-    run = np.repeat(size, size).reshape(length, n)  # runs tile every column
-    return _Nodes(depth[valid], row[valid], size[valid], parent[valid], run)
+    holder = node_id[np.cumsum(starts.ravel()) - 1].reshape(length, n)
+    return _Nodes(depth[valid], row[valid], size[valid], holder)
 
 
 def select_nodes(count: np.ndarray, depth: np.ndarray, k: int) -> np.ndarray:
@@ -141,9 +148,9 @@ def select_nodes(count: np.ndarray, depth: np.ndarray, k: int) -> np.ndarray:
     return np.sort(order[:k])
 
 
-def _leaves(parent: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    has_child = np.zeros(len(parent), dtype=bool)
-    kept_parents = parent[keep]
+def _leaves(nodes: _Nodes, keep: np.ndarray) -> np.ndarray:
+    has_child = np.zeros(len(nodes.count), dtype=bool)
+    kept_parents = nodes.parents(keep)
     has_child[kept_parents[kept_parents >= 0]] = True
     return keep[~has_child[keep]]
 
@@ -167,12 +174,12 @@ def retrieve(
     if not len(nodes.count):
         return Retrieval((), c, hi - lo, len(picked))
     keep = select_nodes(nodes.count, nodes.depth, cfg.max_nodes)
-    leaves = _leaves(nodes.parent, keep)
+    leaves = _leaves(nodes, keep)
     leaves = leaves[np.lexsort((leaves, -nodes.count[leaves]))][: cfg.max_candidates]
     rows = nodes.row[leaves]
     lengths = nodes.depth[leaves].tolist()
     token_rows = mat[rows].tolist()
-    count_rows = nodes.run[:, rows].T.tolist()  # [leaves, L]: counts of each prefix of the leaf's row
+    count_rows = nodes.count[nodes.holder[:, rows].T].tolist()  # [leaves, L]: counts of the row's prefixes
     sources: list[Source | None] = [None] * len(leaves)
     if doc_starts is not None:
         pos = starts[rows]
@@ -205,14 +212,17 @@ def merge(results: Sequence[Retrieval], max_nodes: int, max_candidates: int) -> 
     for result in best:
         seen: dict[tuple[int, ...], int] = {}  # one count per path and shard (prefixes repeat)
         for cand in result.candidates:
-            for i in range(len(cand.tokens)):
-                seen[cand.tokens[: i + 1]] = cand.counts[i]
-                sources.setdefault(cand.tokens[: i + 1], cand.source)
+            tokens, prefix_counts, source = cand.tokens, cand.counts, cand.source
+            for i in range(len(tokens)):
+                prefix = tokens[: i + 1]
+                seen[prefix] = prefix_counts[i]
+                if prefix not in sources:
+                    sources[prefix] = source
         for path, n in seen.items():
             counts[path] = counts.get(path, 0) + n
     paths = list(counts)
-    count = np.array([counts[p] for p in paths], dtype=np.int64)
-    depth = np.array([len(p) for p in paths], dtype=np.int64)
+    count = np.fromiter(counts.values(), dtype=np.int64, count=len(paths))
+    depth = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
     keep = [paths[i] for i in select_nodes(count, depth, max_nodes)]
     inner = {p[:-1] for p in keep}
     leaves = sorted((p for p in keep if p not in inner), key=lambda p: (-counts[p], p))

@@ -71,8 +71,12 @@ class SuffixIndex:
     sa: np.ndarray  # [n] int32 byte offsets of the sorted suffixes
 
     def __post_init__(self) -> None:
-        # the arrays' addresses, once: numpy's ``.ctypes`` builds helper objects on every access
-        object.__setattr__(self, "_pointers", (self.tokens.ctypes.data, self.sa.ctypes.data))
+        # the arrays' addresses and sizes, once: numpy's ``.ctypes`` builds helper objects on every
+        # access, and a search is a few microseconds, so Python overheads show
+        width = int(self.tokens.dtype.itemsize)
+        n = len(self.sa)
+        object.__setattr__(self, "_search_args", (self.tokens.ctypes.data, n * width, self.sa.ctypes.data, n))
+        object.__setattr__(self, "_width", width)
 
     @staticmethod
     def build(tokens: np.ndarray, separator: int) -> SuffixIndex:
@@ -85,7 +89,7 @@ class SuffixIndex:
 
     @property
     def width(self) -> int:
-        return int(self.tokens.dtype.itemsize)
+        return self._width  # type: ignore[attr-defined, no-any-return]
 
     def positions(self, rows: np.ndarray) -> np.ndarray:
         """Token positions of the suffixes at ``rows`` of the suffix array."""
@@ -100,7 +104,7 @@ class SuffixIndex:
 
     def _range_of_bytes(self, key: bytes) -> tuple[int, int]:
         global _SA_SEARCH
-        n = len(self.sa)
+        tokens_ptr, tokens_bytes, sa_ptr, n = self._search_args  # type: ignore[attr-defined]
         if not key:
             return 0, n
         if n == 0:
@@ -108,8 +112,7 @@ class SuffixIndex:
         if _SA_SEARCH is None:
             _SA_SEARCH = _search_function()
         left = ctypes.c_int32()
-        tokens_ptr, sa_ptr = self._pointers  # type: ignore[attr-defined]
-        count = _SA_SEARCH(tokens_ptr, n * self.width, key, len(key), sa_ptr, n, ctypes.byref(left))
+        count = _SA_SEARCH(tokens_ptr, tokens_bytes, key, len(key), sa_ptr, n, ctypes.byref(left))
         if count < 0:
             raise RuntimeError(f"libdivsufsort sa_search failed ({count})")
         return (left.value, left.value + count) if count else (0, 0)
@@ -121,18 +124,20 @@ class SuffixIndex:
         found by binary search. No match: (0, 0, 0).
         """
         c_max = min(c_max, len(context))
-        tail = [int(t) for t in context[len(context) - c_max :]]
-        limit = 2 ** (8 * self.width)
-        bad = [i for i, t in enumerate(tail) if not 0 <= t < limit]
-        if bad:  # a token this index cannot hold occurs nowhere: only the suffix after it can match
+        tail = np.asarray(context[len(context) - c_max :]).tolist()  # Python ints, quickly
+        width = self.width
+        limit = 2 ** (8 * width)
+        if tail and (min(tail) < 0 or max(tail) >= limit):
+            # a token this index cannot hold occurs nowhere: only the suffix after it can match
+            bad = [i for i, t in enumerate(tail) if not 0 <= t < limit]
             tail = tail[bad[-1] + 1 :]
         c_max = len(tail)
-        data = np.asarray(tail, dtype=self.tokens.dtype).tobytes()
+        data = np.array(tail, dtype=self.tokens.dtype).tobytes()
         best = (0, 0, 0)
         a, b = c_min, c_max
         while a <= b:
             c = (a + b) // 2
-            lo, hi = self._range_of_bytes(data[(c_max - c) * self.width :])
+            lo, hi = self._range_of_bytes(data[(c_max - c) * width :])
             if hi > lo:
                 best = (c, lo, hi)
                 a = c + 1

@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 
 from datastore_svc.retrieval import (
+    PAD,
     Candidate,
     Retrieval,
     RetrievalConfig,
+    continuation_matrix,
     merge,
     retrieve,
+    sample_range,
     select_nodes,
     trie_of_sorted,
 )
@@ -221,3 +224,78 @@ def test_wide_vocabularies_use_four_byte_tokens() -> None:
     assert idx.width == 4
     lo, hi = idx.find_range(np.array([70000]))
     assert sorted(idx.positions(np.arange(lo, hi)).tolist()) == [0, 2]
+
+
+def test_sample_range_is_evenly_spaced_without_repeats() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        lo = int(rng.integers(0, 10**7))
+        n = int(rng.integers(1, 400))
+        hi = lo + int(rng.integers(0, 5 * n if rng.random() < 0.7 else 10**6))
+        got = sample_range(lo, hi, n)
+        if hi - lo <= n:
+            assert got.tolist() == list(range(lo, hi))
+        else:
+            reference = np.unique(np.linspace(lo, hi - 1, n).round().astype(np.int64))
+            assert np.array_equal(got, reference) and len(got) == n
+
+
+def test_continuation_matrix_stops_at_separators_and_the_end() -> None:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, SEP + 1, size=50).astype(np.int32)  # no trailing separator
+    starts = np.arange(len(tokens), dtype=np.int64)
+    got = continuation_matrix(tokens.astype(">u2"), starts, 6, SEP)
+    for s, row in zip(starts.tolist(), got.tolist(), strict=True):
+        expected = []
+        for t in tokens[s : s + 6].tolist():
+            if t >= SEP:
+                break
+            expected.append(t)
+        assert row == expected + [PAD] * (6 - len(expected))
+
+
+def brute_trie(mat: np.ndarray) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Every non-PAD prefix of the rows: (count of rows starting with it, first such row)."""
+    nodes: dict[tuple[int, ...], tuple[int, int]] = {}
+    for i, row in enumerate(mat.tolist()):
+        for d in range(len(row)):
+            if row[d] == PAD:
+                break
+            count, first = nodes.get(tuple(row[: d + 1]), (0, i))
+            nodes[tuple(row[: d + 1])] = (count + 1, first)
+    return nodes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_trie_of_sorted_equals_a_dict_trie(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        n, length = int(rng.integers(1, 40)), int(rng.integers(1, 7))
+        mat = rng.integers(0, 3, size=(n, length))
+        ends = rng.integers(0, length + 1, size=n)  # continuations end early (PAD after)
+        mat[np.arange(length)[None, :] >= ends[:, None]] = PAD
+        mat = np.array(sorted(mat.tolist()), dtype=np.int64)
+        nodes = trie_of_sorted(mat)
+        paths = [tuple(mat[r, : d + 1].tolist()) for r, d in zip(nodes.row, nodes.depth, strict=True)]
+        expected = brute_trie(mat)
+        assert {
+            p: (int(c), int(r)) for p, c, r in zip(paths, nodes.count, nodes.row, strict=True)
+        } == expected
+        assert len(paths) == len(expected)
+        ids = np.arange(len(paths))
+        parents = nodes.parents(ids).tolist()
+        assert [paths[q] if q >= 0 else () for q in parents] == [p[:-1] for p in paths]
+        for i, row in enumerate(mat.tolist()):  # the node holding each non-PAD cell
+            for d in range(length):
+                if row[d] != PAD:
+                    assert paths[nodes.holder[d, i]] == tuple(row[: d + 1])
+
+
+def test_longest_suffix_match_skips_tokens_the_index_cannot_hold() -> None:
+    tokens = np.array([1, 2, 3, 4, SEP, 2, 3, 4, 5, SEP], dtype=np.int32)
+    idx = index(tokens)
+    for bad in (-1, 2**16, 2**40):
+        c, lo, hi = idx.longest_suffix_match(np.array([1, 2, bad, 3, 4]), 1, 16)
+        assert c == 2 and sorted(idx.positions(np.arange(lo, hi)).tolist()) == [2, 6]
+        assert idx.longest_suffix_match(np.array([3, 4, bad]), 1, 16) == (0, 0, 0)
+    assert idx.longest_suffix_match(np.array([], dtype=np.int64), 1, 16) == (0, 0, 0)
