@@ -502,8 +502,24 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
         "in_process": retrieval_latency(LocalRetriever(version), contexts[:50], cfg),  # warm-up
     }
     report["in_process"] = retrieval_latency(LocalRetriever(version), contexts, cfg)
+    dense = _dense_bench_setup(args, version) if args.dense else None
+    if dense is not None:
+        from datastore_svc.dense_bench import dense_latency
+
+        stats, queries, dense_cfg = dense
+        dense_latency(LocalRetriever(version), stats, queries[:50], dense_cfg)  # warm-up
+        report["dense"] = {
+            "keys": m["dense"]["keys"],
+            "dims": stats.dims,
+            "index": m["dense"]["index"],
+            "bytes_per_key": round(_dense_bytes(m) / max(int(m["dense"]["keys"]), 1), 2),
+            "build_seconds": m["dense"].get("seconds"),
+            "in_process": dense_latency(LocalRetriever(version), stats, queries, dense_cfg),
+        }
     if args.grpc:
-        report["grpc"] = _grpc_latency(args.datastore, contexts, cfg)
+        report["grpc"] = _grpc_latency(args.datastore, contexts, cfg, dense)
+        if dense is not None:
+            report["dense"]["grpc"] = report["grpc"].pop("dense")
     runs = _tau_references(args, tokenizer) if args.tau else []
     if args.tau:
         import dataclasses
@@ -535,6 +551,35 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
     if args.json_out:
         _write_atomically(Path(args.json_out), json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def _dense_bytes(manifest: dict[str, Any]) -> int:
+    names = ("dense.faiss", "positions.npy")
+    return sum(f["bytes"] for s in manifest["shards"] for n, f in s["files"].items() if n in names)
+
+
+def _dense_bench_setup(args: argparse.Namespace, version: Any) -> tuple[Any, Any, Any]:
+    """(statistics, queries from the suite's prompts, the dresd draft shape) for --dense."""
+    from datastore_svc.dense_bench import dense_queries
+    from llm_worker.config import ModelConfig
+    from llm_worker.drafters.dresd import dense_config
+    from llm_worker.model import load_target
+    from llm_worker.model.loading import ModelNotFoundError
+
+    if version.dense_stats is None:
+        raise CliError(f"{version.path} has no dense index (build it with --dense)")
+    try:
+        target, tokenizer = load_target(
+            ModelConfig(
+                path=args.model, dtype=args.dtype, device=args.device, threads=args.threads, backend="hf"
+            )
+        )
+    except (ModelNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    if version.dense_model and version.dense_model != target.info.fingerprint:
+        raise CliError(f"{version.path}: dense keys of another model than {target.info.name}")
+    queries = dense_queries(target.model, tokenizer, args.queries)
+    return version.dense_stats, queries, dense_config({}, 3, 10)
 
 
 def _tau_references(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
@@ -575,8 +620,9 @@ def _tau_references(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     return [run for _, _, run in entries]
 
 
-def _grpc_latency(path: str, contexts: list[Any], cfg: Any) -> dict[str, float]:
-    """Start the version's shard servers as the local stack does, time retrievals through them."""
+def _grpc_latency(path: str, contexts: list[Any], cfg: Any, dense: Any = None) -> dict[str, Any]:
+    """Start the version's shard servers as the local stack does, time retrievals through them
+    (sparse, and dense too when ``dense`` = (statistics, queries, shape))."""
     import tempfile
 
     from client.stack import StackConfig, StackError, StackState, start_shards, stop_processes, wait_serving
@@ -596,8 +642,16 @@ def _grpc_latency(path: str, contexts: list[Any], cfg: Any) -> dict[str, float]:
         try:
             remote = RemoteDatastore([p.address for p in shards], deadline=2.0)
             retrieval_latency(remote, contexts[:50], cfg)  # warm the channels
-            result = retrieval_latency(remote, contexts, cfg)
+            result: dict[str, Any] = retrieval_latency(remote, contexts, cfg)
             result["failures"] = sum(remote.failures.values())
+            if dense is not None:
+                from datastore_svc.dense_bench import dense_latency
+
+                stats, queries, dense_cfg = dense
+                dense_latency(remote, stats, queries[:50], dense_cfg)
+                before = sum(remote.failures.values())
+                result["dense"] = dense_latency(remote, stats, queries, dense_cfg)
+                result["dense"]["failures"] = sum(remote.failures.values()) - before
             remote.close()
             return result
         finally:
@@ -1086,6 +1140,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--references", help="JSON of those answers: read if it exists, else generated (ar) and written"
     )
     dbn.add_argument("--max-new-tokens", type=_positive_int, default=128, help="answer length for --tau")
+    dbn.add_argument(
+        "--dense",
+        action="store_true",
+        help="also dense retrieval latency (hidden states of the suite's prompts)",
+    )
     dbn.add_argument("--json-out")
     dbn.set_defaults(func=_cmd_datastore_bench)
     de = dsc_sub.add_parser("eval", help="dense index quality: MRR of the true continuation, recall vs exact")

@@ -283,6 +283,21 @@ def test_cli_dense_build_rebuild_eval_generate(tiny_dir: Path, tmp_path: Path, c
     info = json.loads(capsys.readouterr().out)
     assert info["dense"]["dims"] == 8 and info["build"]["derived_from"] == "a"
 
+    bench = [
+        "datastore",
+        "bench",
+        "--datastore",
+        str(tmp_path / "a"),
+        "--model",
+        str(tiny_dir),
+        "--queries",
+        "30",
+    ]
+    assert main([*bench, "--dense", "--grpc"]) == 0
+    measured = json.loads(capsys.readouterr().out)["dense"]
+    assert measured["in_process"]["calls"] == measured["grpc"]["calls"] == 30
+    assert measured["grpc"]["failures"] == 0 and measured["bytes_per_key"] > 0
+
     evaluate = ["datastore", "eval", "--datastore", str(tmp_path / "a"), str(tmp_path / "b")]
     assert main([*evaluate, "--corpus", str(tmp_path / "held.jsonl"), *common[:2], "--k", "1,8"]) == 0
     report = json.loads(capsys.readouterr().out)["versions"]
