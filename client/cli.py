@@ -119,8 +119,14 @@ def _resources(args: argparse.Namespace, tokenizer: Any) -> Any:
         from datastore_svc.store import DatastoreError, DatastoreVersion, LocalRetriever, tokenizer_identity
 
         try:
+            from datastore_svc.dense import faiss_gpus
+
+            device = getattr(args, "device", "cpu") or "cpu"
+            gpu = None  # dense search on the model's GPU when faiss-gpu is installed, else on the CPU
+            if device.startswith("cuda") and faiss_gpus() > 0:
+                gpu = int(device.split(":")[1]) if ":" in device else 0
             version = DatastoreVersion(
-                path, tokenizer_fingerprint=tokenizer_identity(tokenizer)["fingerprint"]
+                path, tokenizer_fingerprint=tokenizer_identity(tokenizer)["fingerprint"], faiss_gpu=gpu
             )
         except DatastoreError as exc:
             raise CliError(str(exc)) from exc
@@ -753,7 +759,9 @@ def _cmd_serve_datastore(args: argparse.Namespace) -> int:
     from datastore_svc.store import DatastoreError
 
     try:
-        state = ShardState.open(args.datastore, args.shard, drain_seconds=args.drain_seconds)
+        state = ShardState.open(
+            args.datastore, args.shard, drain_seconds=args.drain_seconds, faiss_gpu=args.faiss_gpu
+        )
     except DatastoreError as exc:
         raise CliError(str(exc)) from exc
     cfg = ShardServerConfig(
@@ -1074,6 +1082,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep a swapped-out version this long for its requests",
     )
     ds.add_argument("--redis", help="publish each loaded version's dense statistics here (redis://HOST:PORT)")
+    ds.add_argument(
+        "--faiss-gpu", type=int, default=None, help="search dense indexes on this GPU (needs faiss-gpu)"
+    )
     ds.set_defaults(func=_cmd_serve_datastore)
 
     dsc = sub.add_parser("datastore", help="build, inspect and swap datastore versions")

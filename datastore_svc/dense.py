@@ -220,11 +220,18 @@ def tune_index(index: Any, params: IndexParams = IndexParams()) -> None:
         inner.nprobe = params.ivf_probe
 
 
+def faiss_gpus() -> int:
+    """GPUs FAISS can use here (0 with faiss-cpu)."""
+    import faiss
+
+    return int(faiss.get_num_gpus()) if hasattr(faiss, "get_num_gpus") else 0
+
+
 def index_to_gpu(index: Any, device: int = 0) -> Any:
     """The index on a GPU (faiss-gpu installed and a GPU present), else a clear error."""
     import faiss
 
-    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+    if not hasattr(faiss, "StandardGpuResources") or faiss_gpus() == 0:
         raise DenseError("a GPU index was configured but faiss has no GPU here (install faiss-gpu)")
     return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), device, index)
 

@@ -25,17 +25,27 @@ class VersionNotLoaded(LookupError):
 
 
 class ShardState:
-    def __init__(self, version: DatastoreVersion, index: int, drain_seconds: float = 60.0) -> None:
+    def __init__(
+        self, version: DatastoreVersion, index: int, drain_seconds: float = 60.0, faiss_gpu: int | None = None
+    ) -> None:
         self.index = index
         self.drain_seconds = drain_seconds
+        self.faiss_gpu = faiss_gpu  # GPU for the dense indexes of versions loaded later too
         self._lock = threading.Lock()
         self.current = version
         self._loaded: dict[str, DatastoreVersion] = {version.version: version}
         self._release_at: dict[str, float] = {}
 
     @staticmethod
-    def open(path: str | Path, index: int, verify: bool = True, drain_seconds: float = 60.0) -> ShardState:
-        return ShardState(DatastoreVersion(path, shards=[index], verify=verify), index, drain_seconds)
+    def open(
+        path: str | Path,
+        index: int,
+        verify: bool = True,
+        drain_seconds: float = 60.0,
+        faiss_gpu: int | None = None,
+    ) -> ShardState:
+        version = DatastoreVersion(path, shards=[index], verify=verify, faiss_gpu=faiss_gpu)
+        return ShardState(version, index, drain_seconds, faiss_gpu)
 
     @property
     def versions_root(self) -> Path:
@@ -79,7 +89,9 @@ class ShardState:
         if not target.is_absolute() and len(target.parts) == 1:
             target = self.versions_root / target
         fingerprint = self.current.manifest["tokenizer"].get("fingerprint")
-        new = DatastoreVersion(target, shards=[self.index], tokenizer_fingerprint=fingerprint)
+        new = DatastoreVersion(
+            target, shards=[self.index], tokenizer_fingerprint=fingerprint, faiss_gpu=self.faiss_gpu
+        )
         if new.num_shards != self.current.num_shards:
             raise DatastoreError(
                 f"{target} has {new.num_shards} shards, the serving version {self.current.num_shards}"

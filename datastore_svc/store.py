@@ -42,6 +42,7 @@ from datastore_svc.dense import (
     DenseRetrieval,
     DenseStats,
     dense_retrieve,
+    index_to_gpu,
     merge_dense,
 )
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
@@ -453,7 +454,9 @@ class DatastoreVersion:
         shards: Iterable[int] | None = None,
         verify: bool = True,
         tokenizer_fingerprint: str | None = None,
+        faiss_gpu: int | None = None,
     ) -> None:
+        """``faiss_gpu``: move the dense indexes to this GPU (needs faiss-gpu; None = CPU)."""
         self.path = Path(path).resolve()
         t0 = time.perf_counter()
         self.manifest = read_manifest(self.path)
@@ -471,6 +474,13 @@ class DatastoreVersion:
             except (DenseError, AttributeError) as exc:
                 raise DatastoreError(f"{self.path / MANIFEST}: {exc}") from None
         self.shards = [open_shard(self.path, self.manifest, i, verify) for i in indexes]
+        if faiss_gpu is not None:
+            for shard in self.shards:
+                if shard.dense is not None:
+                    try:
+                        shard.dense.index = index_to_gpu(shard.dense.index, faiss_gpu)
+                    except DenseError as exc:
+                        raise DatastoreError(str(exc)) from None
         self.load_seconds = time.perf_counter() - t0
 
     @property

@@ -418,3 +418,14 @@ def test_eval_finds_the_keys_of_seen_text(tiny, tmp_path: Path) -> None:
     assert report.queries == 200
     assert report.mrr["1"][1] > 0.9 and report.hit["2"][8] > 0.9
     assert report.recall[8] == pytest.approx(1.0)
+
+
+def test_a_gpu_index_without_faiss_gpu_is_a_clear_error(tiny, tmp_path: Path) -> None:
+    from datastore_svc.dense import faiss_gpus
+
+    if faiss_gpus() > 0:
+        pytest.skip("this machine has a FAISS GPU")
+    model, target = tiny
+    dense_version(model, target, tmp_path / "v", own_continuations(model, target, 1), shards=1)
+    with pytest.raises(DatastoreError, match="faiss-gpu"):
+        DatastoreVersion(tmp_path / "v", faiss_gpu=0)
