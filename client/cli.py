@@ -534,9 +534,11 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
 
         report["tau"] = {"references": {"runs": len(runs), "tokens": sum(len(r.reference) for r in runs)}}
         shapes = {"specdraft": cfg, "specdraft_l4": dataclasses.replace(cfg, max_length=4)}
+        vocab = len(tokenizer)  # above every token id: the separator of the context's own index
         for name, shape in shapes.items():  # L = 4: draftretriever's depth
-            stats = replay_tau(runs, specdraft_proposer(LocalRetriever(version), shape))
-            report["tau"][name] = stats.to_json()
+            for suffix, fuse in (("", vocab), ("_corpus_only", None)):  # rest (ctx=1) and rest:ctx=0
+                stats = replay_tau(runs, specdraft_proposer(LocalRetriever(version), shape, fuse))
+                report["tau"][name + suffix] = stats.to_json()
     if args.draftretriever:
         import tempfile
 

@@ -370,11 +370,16 @@ def replay_tau(runs: Sequence[ReferenceRun], propose: Propose) -> ReplayStats:
     return stats
 
 
-def specdraft_proposer(retriever: Any, cfg: RetrievalConfig) -> Propose:
-    """Our retriever as the ``rest`` drafter calls it: the last c_max tokens, the candidates' paths."""
+def specdraft_proposer(retriever: Any, cfg: RetrievalConfig, fuse_separator: int | None = None) -> Propose:
+    """Our retriever as the ``rest`` drafter calls it: the last c_max tokens, the candidates' paths;
+    with ``fuse_separator`` the context's own continuations fused in (``rest``'s default, ``ctx=1``)."""
+    from datastore_svc.retrieval import context_retrieval, fuse_context
 
     def propose(context: np.ndarray) -> list[tuple[int, ...]]:
         result, _ = retriever.retrieve(context[-cfg.c_max :], cfg)
+        if fuse_separator is not None:
+            own = context_retrieval(context, fuse_separator, cfg)
+            result = fuse_context(result, own, cfg.max_nodes, cfg.max_candidates)
         return [c.tokens for c in result.candidates]
 
     return propose

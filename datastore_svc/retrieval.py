@@ -231,3 +231,40 @@ def merge(results: Sequence[Retrieval], max_nodes: int, max_candidates: int) -> 
         for p in leaves[:max_candidates]
     )
     return Retrieval(candidates, c, sum(r.occurrences for r in best), sum(r.sampled for r in best))
+
+
+def context_retrieval(context: np.ndarray, separator: int, cfg: RetrievalConfig) -> Retrieval:
+    """Retrieval from the context itself (prompt lookup with REST's trie): the longest suffix of
+    ``context`` that occurred earlier in it, and what followed those occurrences.
+
+    The last token is left out of the index, so the suffix never matches itself.
+    Example: context [1, 2, 3, 1, 2] → suffix [1, 2] occurred at 0, followed by [3, 1] (L = 2).
+    """
+    body = np.asarray(context[:-1], dtype=np.int64)
+    if len(body) == 0:
+        return NO_MATCH
+    index = SuffixIndex.build(np.append(body, separator), separator)
+    return retrieve(index, separator, np.asarray(context[-cfg.c_max :]), cfg)
+
+
+def fuse_context(corpus: Retrieval, own: Retrieval, max_nodes: int, max_candidates: int) -> Retrieval:
+    """The corpus's and the context's candidates as one tree, the context weighing as much as the
+    corpus sample: its counts are scaled by (corpus continuations read / context continuations
+    read), then equal paths add up and the ``max_nodes`` most frequent prefixes are kept, whatever
+    suffix length each side matched.
+    """
+    if own.match_length == 0 or not own.candidates:
+        return corpus
+    if corpus.match_length == 0 or not corpus.candidates:
+        return own
+    scale = max(corpus.sampled, 1) / max(own.sampled, 1)
+    scaled = tuple(
+        Candidate(c.tokens, tuple(max(1, round(n * scale)) for n in c.counts), c.source)
+        for c in own.candidates
+    )
+    c = max(corpus.match_length, own.match_length)
+    both = [
+        Retrieval(corpus.candidates, c, corpus.occurrences, corpus.sampled),
+        Retrieval(scaled, c, own.occurrences, own.sampled),
+    ]
+    return merge(both, max_nodes, max_candidates)

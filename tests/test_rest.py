@@ -40,7 +40,14 @@ def rest_engine(target: TargetModel, retriever: LocalRetriever, curve: CostCurve
     )
 
 
-REST_MODES = ["rest", "rest:c_max=4:l=6:nodes=12", "rest:n=4:d=2", "rest-batch", "rest-batch:c_max=4:l=6:d=4"]
+REST_MODES = [
+    "rest",
+    "rest:ctx=0",
+    "rest:c_max=4:l=6:nodes=12",
+    "rest:n=4:d=2",
+    "rest-batch",
+    "rest-batch:c_max=4:l=6:d=4:ctx=0",
+]
 
 
 CPU_CURVE = CostCurve.linear(0.05, 0.003)
@@ -92,8 +99,11 @@ def test_a_failing_datastore_costs_drafts_not_the_generation() -> None:
     target = tiny_target("llama")
     engine = Engine(target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(FailingRetriever()))
     prompt = prompts(target.info.vocab_size)[0]
-    res = engine.generate(GenerationRequest(tuple(prompt), 32, "rest"))
-    assert res.token_ids == greedy_tokens(engine, prompt, "ar", 32) and res.stats.drafted_tokens == 0
+    ref = greedy_tokens(engine, prompt, "ar", 32)
+    alone = engine.generate(GenerationRequest(tuple(prompt), 32, "rest:ctx=0"))
+    assert alone.token_ids == ref and alone.stats.drafted_tokens == 0
+    fused = engine.generate(GenerationRequest(tuple(prompt), 32, "rest"))  # the context still drafts
+    assert fused.token_ids == ref and fused.stats.drafted_tokens > 0
 
 
 @pytest.mark.parametrize(

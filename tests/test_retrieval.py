@@ -299,3 +299,27 @@ def test_longest_suffix_match_skips_tokens_the_index_cannot_hold() -> None:
         assert c == 2 and sorted(idx.positions(np.arange(lo, hi)).tolist()) == [2, 6]
         assert idx.longest_suffix_match(np.array([3, 4, bad]), 1, 16) == (0, 0, 0)
     assert idx.longest_suffix_match(np.array([], dtype=np.int64), 1, 16) == (0, 0, 0)
+
+
+def test_context_retrieval_is_prompt_lookup_through_the_trie() -> None:
+    from datastore_svc.retrieval import context_retrieval
+
+    cfg = RetrievalConfig(max_length=2)
+    res = context_retrieval(np.array([1, 2, 3, 1, 2]), 10, cfg)
+    assert res.match_length == 2 and [c.tokens for c in res.candidates] == [(3, 1)]
+    assert context_retrieval(np.array([5]), 10, cfg).candidates == ()
+    assert context_retrieval(np.array([1, 2, 3]), 10, cfg).match_length == 0  # nothing repeats
+
+
+def test_fused_context_weighs_as_much_as_the_corpus_sample() -> None:
+    from datastore_svc.retrieval import Candidate, Retrieval, fuse_context
+
+    corpus = Retrieval((Candidate((4, 2), (30, 15)), Candidate((7,), (10,))), 3, 40, 40)
+    own = Retrieval((Candidate((7, 8), (2, 1)),), 6, 2, 2)  # the context: 2 continuations, both 7
+    fused = fuse_context(corpus, own, max_nodes=3, max_candidates=8)
+    # context counts scaled by 40 / 2: (7,) 10 + 40 = 50, (7, 8) 20; (4,) 30, (4, 2) 15 → top 3 nodes;
+    # leaves most frequent first
+    assert [(c.tokens, c.counts) for c in fused.candidates] == [((4,), (30,)), ((7, 8), (50, 20))]
+    assert fused.match_length == 6
+    empty = Retrieval((), 0, 0, 0)
+    assert fuse_context(corpus, empty, 3, 8) is corpus and fuse_context(empty, own, 3, 8) is own

@@ -1,7 +1,10 @@
 """``rest`` / ``rest-batch``: drafts retrieved from a datastore (REST).
 
 The datastore (in process, or shards over gRPC) matches the longest suffix of the context in its
-corpus and returns the most frequent continuations with the count of every prefix. ``rest``
+corpus and returns the most frequent continuations with the count of every prefix. By default
+(``ctx=1``) the context's own continuations are fused in (``fuse_context``: a prompt lookup with
+REST's trie, weighing as much as the corpus sample) — also what drafts when the datastore does
+not answer; ``ctx=0`` is REST alone. ``rest``
 merges them into a draft tree, verified in one forward with a tree mask; ``rest-batch`` keeps
 them as the rows of a batch (each candidate the full path from the root), verified as the rows
 of one batched forward (DReSD's batch verification). Nodes carry an acceptance feature (match
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from datastore_svc.retrieval import Retrieval, RetrievalConfig
+from datastore_svc.retrieval import Retrieval, RetrievalConfig, context_retrieval, fuse_context
 from llm_worker.drafters.base import (
     DRAFTERS,
     DraftContext,
@@ -80,22 +83,32 @@ class RestDrafter(Drafter):
         retriever: Retriever,
         cfg: RetrievalConfig,
         shape: Callable[[Retrieval], Draft] = candidates_tree,
+        fuse_separator: int | None = None,
     ) -> None:
+        """``fuse_separator``: also draft from the context itself (``fuse_context``), indexing it
+        with this separator (any id above the vocabulary); None = the datastore alone (REST)."""
         self.retriever = retriever
         self.cfg = cfg
         self.shape = shape
+        self.fuse_separator = fuse_separator
 
     def retrieve(self, ctx: DraftContext) -> Retrieval | None:
         pinned = str(ctx.request_state.get(VERSION_KEY, ""))
         context = ctx.tokens[-self.cfg.c_max :]
+        result: Retrieval | None = None
         try:
             result, version = self.retriever.retrieve(context, self.cfg, pinned)
         except Exception as exc:  # a datastore problem costs drafts, never the generation
-            log.warning("datastore retrieval failed, drafting nothing this step: %s", exc)
-            return None
-        if version and not pinned:
-            ctx.request_state[VERSION_KEY] = version
-        return result
+            log.warning("datastore retrieval failed, drafting from the context alone: %s", exc)
+        else:
+            if version and not pinned:
+                ctx.request_state[VERSION_KEY] = version
+        if self.fuse_separator is None:
+            return result
+        own = context_retrieval(ctx.tokens, self.fuse_separator, self.cfg)
+        if result is None:
+            return own
+        return fuse_context(result, own, self.cfg.max_nodes, self.cfg.max_candidates)
 
     def propose(self, ctx: DraftContext) -> Draft:
         result = self.retrieve(ctx)
@@ -113,7 +126,12 @@ def retrieval_config(options: dict[str, str]) -> RetrievalConfig:
     )
 
 
-REST_OPTIONS = ("c_min", "c_max", "n", "l", "nodes", "d")
+REST_OPTIONS = ("c_min", "c_max", "n", "l", "nodes", "d", "ctx")
+
+
+def _fuse_separator(target: TargetModel, options: dict[str, str]) -> int | None:
+    """``ctx=1`` (default): fuse the context's own continuations into the tree; ``ctx=0``: REST alone."""
+    return target.info.vocab_size if int_option(options, "ctx", 1, 0, 1) else None
 
 
 def _retriever(resources: DraftResources) -> Retriever:
@@ -126,7 +144,9 @@ def _retriever(resources: DraftResources) -> Retriever:
     "rest", "REST: continuations of the longest context suffix in a datastore, as a token tree", REST_OPTIONS
 )
 def _make_rest(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
-    return RestDrafter(_retriever(resources), retrieval_config(options))
+    return RestDrafter(
+        _retriever(resources), retrieval_config(options), fuse_separator=_fuse_separator(target, options)
+    )
 
 
 @DRAFTERS.register(
@@ -135,4 +155,6 @@ def _make_rest(target: TargetModel, options: dict[str, str], resources: DraftRes
     REST_OPTIONS,
 )
 def _make_rest_batch(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
-    return RestDrafter(_retriever(resources), retrieval_config(options), candidates_batch)
+    return RestDrafter(
+        _retriever(resources), retrieval_config(options), candidates_batch, _fuse_separator(target, options)
+    )
