@@ -361,7 +361,7 @@ def _dense_step(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     info = target.info
-    return dense_step(target.model, info.name, info.fingerprint, cfg, not args.quiet), tokenizer, model_dir
+    return dense_step(target.model, info.name, info.weights_id, cfg, not args.quiet), tokenizer, model_dir
 
 
 def _cmd_datastore_build(args: argparse.Namespace) -> int:
@@ -584,7 +584,7 @@ def _dense_bench_setup(args: argparse.Namespace, version: Any) -> tuple[Any, Any
         )
     except (ModelNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from exc
-    if version.dense_model and version.dense_model != target.info.fingerprint:
+    if version.dense_model and version.dense_model != target.info.weights_id:
         raise CliError(f"{version.path}: dense keys of another model than {target.info.name}")
     queries = dense_queries(target.model, tokenizer, args.queries)
     return version.dense_stats, queries, dense_config({}, 3, 10)
@@ -694,14 +694,14 @@ def _cmd_datastore_eval(args: argparse.Namespace) -> int:
             overlap=min(64, args.window // 4),
             cache_dir=Path(args.hidden_cache) if args.hidden_cache else None,
         )
-        states = HiddenStates(target.model, target.info.fingerprint, cfg)
+        states = HiddenStates(target.model, target.info.weights_id, cfg)
         docs = tokenize_documents(read_documents(args.corpus, tokenizer), tokenizer)
         if not docs:
             raise CliError(f"{args.corpus}: no documents")
         hidden = [states.chunk([d])[0] for d in docs]
         for path in args.datastore:
             version = DatastoreVersion(path, tokenizer_fingerprint=fingerprint)
-            if version.dense_model and version.dense_model != target.info.fingerprint:
+            if version.dense_model and version.dense_model != target.info.weights_id:
                 raise CliError(f"{path}: dense keys of another model than {target.info.name}")
             report = evaluate(version, hidden, docs, ks, n=args.n, count=args.positions, seed=args.seed)
             reports[version.version] = {"dims": version.dense_stats.dims if version.dense_stats else 0}

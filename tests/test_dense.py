@@ -213,7 +213,7 @@ def dense_version(model, target, path: Path, docs, shards: int = 2, **cfg) -> Da
         "cache_dir": path.parent / "hidden",
     }
     build_cfg = DenseBuildConfig(**{**options, **cfg})
-    extend = dense_step(model, "tiny", target.info.fingerprint, build_cfg, progress=False)
+    extend = dense_step(model, "tiny", target.info.weights_id, build_cfg, progress=False)
     identity = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
     write_version(docs, path, VOCAB, identity, shards=shards, extend=extend)
     return DatastoreVersion(path)
@@ -251,7 +251,7 @@ def test_dense_version_builds_reuses_cached_states_and_rebuilds_other_dims(tiny,
     v1 = dense_version(model, target, tmp_path / "v1", docs)
     dense = v1.manifest["dense"]
     assert dense["keys"] == sum(len(d) - 1 for d in docs) and dense["dims"] == 16
-    assert dense["model_fingerprint"] == target.info.fingerprint and dense["index"] == "flat"
+    assert dense["model_fingerprint"] == target.info.weights_id and dense["index"] == "flat"
     assert dense["chunks"]["computed"] > 0 and v1.dense_stats is not None
     for shard in v1.manifest["shards"]:
         assert {"dense.faiss", "positions.npy"} <= set(shard["files"])
@@ -260,7 +260,7 @@ def test_dense_version_builds_reuses_cached_states_and_rebuilds_other_dims(tiny,
         dims=8, index="hnsw", window=32, overlap=8, chunk_tokens=120, cache_dir=tmp_path / "hidden"
     )
     derive_version(
-        tmp_path / "v1", tmp_path / "v2", dense_step(model, "tiny", target.info.fingerprint, cfg, False)
+        tmp_path / "v1", tmp_path / "v2", dense_step(model, "tiny", target.info.weights_id, cfg, False)
     )
     v2 = DatastoreVersion(tmp_path / "v2")
     assert v2.manifest["dense"]["chunks"]["computed"] == 0 and v2.manifest["dense"]["dims"] == 8
@@ -411,7 +411,7 @@ def test_eval_finds_the_keys_of_seen_text(tiny, tmp_path: Path) -> None:
     docs = own_continuations(model, target, 3)
     version = dense_version(model, target, tmp_path / "v", docs, shards=2)
     states = HiddenStates(
-        model, target.info.fingerprint, DenseBuildConfig(window=32, overlap=8, cache_dir=tmp_path / "hidden")
+        model, target.info.weights_id, DenseBuildConfig(window=32, overlap=8, cache_dir=tmp_path / "hidden")
     )
     hidden = [states.chunk([np.asarray(d, dtype=np.int64)])[0] for d in docs]
     report = evaluate(version, hidden, docs, ks=(1, 8), n=2, count=200)

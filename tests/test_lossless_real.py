@@ -116,6 +116,7 @@ def test_rejection_sampling_on_real_distributions(real_model, prompt_ids) -> Non
 def rest_engine(real_model, real_engine, prompt_ids, tmp_path_factory):
     """An engine with a datastore of standard-library text plus the model's own answers to half
     the prompts (in distribution: drafts often right) — the other half must do without."""
+    from datastore_svc.dense_build import DenseBuildConfig, dense_step
     from datastore_svc.store import DatastoreVersion, LocalRetriever, build
     from llm_worker.drafters import DraftResources
     from llm_worker.engine import Engine
@@ -129,14 +130,18 @@ def rest_engine(real_model, real_engine, prompt_ids, tmp_path_factory):
         records.append({"prompt": text, "response": answer})
     root = tmp_path_factory.mktemp("real-datastore")
     (root / "corpus.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    build(root / "corpus.jsonl", tokenizer, root / "v1", shards=2, progress=False)
+    model, info = real_engine.target.model, real_engine.target.info
+    cfg = DenseBuildConfig(dims=64, window=256, overlap=32, cache_dir=root / "hidden")
+    dense = dense_step(model, info.name, info.weights_id, cfg, progress=False)  # dresd from the same version
+    build(root / "corpus.jsonl", tokenizer, root / "v1", shards=2, progress=False, extend=dense)
     retriever = LocalRetriever(DatastoreVersion(root / "v1"))
     return Engine(real_engine.target, real_engine.config, real_engine.cost_curve, DraftResources(retriever))
 
 
+@pytest.mark.timeout(1800)  # 12 prompts x (ar + 4 modes) of 80 tokens on 2 cores, and the dense build
 def test_greedy_datastore_modes_are_token_identical_to_ar(real_model, real_engine, rest_engine, prompt_ids):
     target, _ = real_model
-    modes = [m for m in ("rest", "rest-batch") if m in DRAFTERS.names()]
+    modes = [m for m in ("rest", "rest-batch", "dresd", "dresd-batch") if m in DRAFTERS.names()]
     accepted = dict.fromkeys(modes, 0)
     for i, prompt in enumerate(prompt_ids):
         ref = greedy_tokens(real_engine, prompt, "ar", NEW_TOKENS)
@@ -149,13 +154,20 @@ def test_greedy_datastore_modes_are_token_identical_to_ar(real_model, real_engin
 
 
 def test_sampling_runs_in_datastore_modes_and_is_seeded(real_model, rest_engine, prompt_ids) -> None:
-    """On the real model: sampled generations with rest / rest-batch drafts are seeded, valid and
-    pinned to one datastore version (their exactness in distribution is the χ² tests' job)."""
+    """On the real model: sampled generations with datastore drafts (rest, rest-batch, dresd,
+    dresd-batch) are seeded, valid and pinned to one datastore version (their exactness in
+    distribution is the χ² tests' job)."""
+    from llm_worker.engine import Engine
+
     target, _ = real_model
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
-    for mode in ("rest", "rest-batch"):
+
+    def fresh() -> Engine:  # the same state (the planner learns from every request)
+        return Engine(rest_engine.target, rest_engine.config, rest_engine.cost_curve, rest_engine.resources)
+
+    for mode in ("rest", "rest-batch", "dresd", "dresd-batch:d=10:l=10"):
         req = GenerationRequest(tuple(prompt_ids[0]), 24, mode, params)
-        first = rest_engine.generate(req)
-        assert first.token_ids == rest_engine.generate(req).token_ids, mode
+        first = fresh().generate(req)
+        assert first.token_ids == fresh().generate(req).token_ids, mode
         assert all(0 <= t < target.info.vocab_size for t in first.token_ids)
         assert first.datastore_version == "v1" and first.stats.drafted_tokens > 0, mode

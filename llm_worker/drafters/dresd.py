@@ -161,15 +161,15 @@ def _make(
     else:
         if version and stats is None:
             raise ModeUnavailableError(f"datastore {version} has no dense index (build it with --dense)")
-        if model and model != target.info.fingerprint:
+        if model and model != target.info.weights_id:
             raise ModeUnavailableError(
                 f"datastore {version} holds hidden states of another model ({model}; this one is "
-                f"{target.info.fingerprint})"
+                f"{target.info.weights_id})"
             )
     return DresdDrafter(
         retriever,
         target.info.num_layers,
-        target.info.fingerprint,
+        target.info.weights_id,
         dense_config(options, 3, 10),
         shape,
         resources.dense_stats,

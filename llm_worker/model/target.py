@@ -44,6 +44,7 @@ class TargetInfo:
     dtype: str
     device: str
     backend: str
+    weights_id: str = ""  # identifies the weights whatever dtype they were loaded in (dense keys)
 
 
 @dataclass
@@ -179,6 +180,14 @@ def weights_fingerprint(config: dict[str, Any], embed: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
+def weights_id(config: dict[str, Any], embed: torch.Tensor) -> str:
+    """``weights_fingerprint`` of the embedding rounded to bfloat16: the same for a float32,
+    bfloat16 (or, but for rare double roundings, float16) load of one checkpoint — hidden states
+    of any of them serve as dense keys for the others."""
+    keep = {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}
+    return weights_fingerprint(keep, embed[:16].detach().to(torch.bfloat16))
+
+
 def eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     ids: list[int] = []
     for source in (getattr(model, "generation_config", None), model.config):
@@ -203,6 +212,7 @@ def describe(
     return TargetInfo(
         name=str(getattr(cfg, "_name_or_path", "") or cfg.model_type),
         fingerprint=weights_fingerprint(cfg.to_dict(), model.get_input_embeddings().weight),
+        weights_id=weights_id(cfg.to_dict(), model.get_input_embeddings().weight),
         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         num_layers=int(text_cfg.num_hidden_layers),
         num_heads=int(heads),
