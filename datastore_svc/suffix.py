@@ -31,6 +31,10 @@ def token_dtype(separator: int) -> np.dtype:
     return np.dtype(">u2") if separator < 2**16 else np.dtype(">u4")
 
 
+SMALL_ARRAY = 1 << 16
+"""Arrays shorter than this (a context, not a shard) are sorted on their token ranks."""
+
+
 def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     """[n] int32 token-level suffix array of ``tokens`` ([n] non-negative ints), by libdivsufsort."""
     import pydivsufsort
@@ -39,7 +43,10 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int32)
     if int(tokens.min()) < 0:
         raise ValueError("token ids must be non-negative")
-    sa = pydivsufsort.divsufsort(np.ascontiguousarray(tokens, dtype=np.int32))
+    values = np.ascontiguousarray(tokens, dtype=np.int32)
+    if len(values) < SMALL_ARRAY:  # libdivsufsort's work grows with the alphabet: rank the tokens first
+        values = np.unique(values, return_inverse=True)[1].astype(np.int32)  # order-preserving: same SA
+    sa = pydivsufsort.divsufsort(values)
     return np.asarray(sa, dtype=np.int32)
 
 

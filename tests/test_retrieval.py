@@ -323,3 +323,15 @@ def test_fused_context_weighs_as_much_as_the_corpus_sample() -> None:
     assert fused.match_length == 6
     empty = Retrieval((), 0, 0, 0)
     assert fuse_context(corpus, empty, 3, 8) is corpus and fuse_context(empty, own, 3, 8) is own
+
+
+def test_small_arrays_sort_on_token_ranks_with_the_same_suffix_array() -> None:
+    import pydivsufsort
+
+    from datastore_svc.suffix import build_suffix_array
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 40, 3000):
+        tokens = rng.integers(0, 49_152, size=n).astype(np.int32)
+        tokens[::5] = 7  # repeats
+        assert np.array_equal(build_suffix_array(tokens), np.asarray(pydivsufsort.divsufsort(tokens)))
