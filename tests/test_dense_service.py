@@ -333,3 +333,22 @@ def test_cli_dense_build_rebuild_eval_generate(tiny_dir: Path, tmp_path: Path, c
     capsys.readouterr()
     assert main([*gen, "--datastore", str(tmp_path / "s"), "--mode", "dresd"]) == 2
     assert "no dense index" in capsys.readouterr().err
+
+
+def test_cache_metrics_are_exported_to_prometheus() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from datastore_svc.cache import CacheCollector
+
+    queries = QueryCache(None)
+    queries.counters.hits, queries.counters.misses, queries.counters.saved_seconds = 3, 1, 0.25
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(queries))
+    text = generate_latest(registry).decode()
+    for line in (
+        "specdraft_dense_cache_hits_total 3.0",
+        "specdraft_dense_cache_misses_total 1.0",
+        "specdraft_dense_cache_saved_seconds_total 0.25",
+        "specdraft_dense_cache_errors_total 0.0",
+    ):
+        assert line in text, text
