@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import greedy_tokens, tiny_model
 from scipy import stats
-from test_lossless_tiny import FLAT_CURVE, SAMPLES, VOCAB, chi_square_p, prompts
+from test_lossless_tiny import FLAT_CURVE, SAMPLES, VOCAB, chi_square_p, prompts, sample_counts
 from test_rest import CPU_CURVE, datastore_for, own_samples_engine, rest_engine
 
 from llm_worker.config import ModelConfig, PlannerConfig, SamplingParams
@@ -320,13 +320,7 @@ def test_sampling_rest_batch_matches_exact_distribution(spy: SpyBatchVerificatio
     params = SamplingParams(temperature=1.0, top_k=4)
     model, engine, prompt = own_samples_engine(tmp_path, params)
     dist = exact_distribution_of(model, prompt, params, new)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    for seed in range(SAMPLES):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-        res = engine.generate(GenerationRequest(tuple(prompt), new, "rest-batch", sp, stop_at_eos=False))
-        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
-        accepted += res.stats.accepted_tokens
+    counts, _, accepted = sample_counts(engine, prompt, "rest-batch", params, new)
     p = chi_square_p(counts, dist, SAMPLES)
     multi = sum(1 for rows, _, _ in spy.steps if rows > 1)
     shared = sum(1 for rows, tokens, _ in spy.steps if rows > 1 and tokens > rows)

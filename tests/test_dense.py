@@ -11,7 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import engine_for, tiny_model
-from test_lossless_tiny import FLAT_CURVE, NEW, SAMPLES, VOCAB, chi_square_p, exact_distribution, prompts
+from test_lossless_tiny import (
+    FLAT_CURVE,
+    SAMPLES,
+    VOCAB,
+    chi_square_p,
+    exact_distribution,
+    prompts,
+    sample_counts,
+)
+from test_rest import BACKEND_CASES, BACKEND_IDS
 
 from datastore_svc.dense import (
     DenseConfig,
@@ -311,20 +320,10 @@ def test_dresd_needs_a_dense_index_of_this_model(tiny, tmp_path: Path) -> None:
 
 # -- dresd against ar ---------------------------------------------------------------------------
 
-CPU_CURVE = CostCurve.linear(0.05, 0.003)
 DRESD_MODES = ["dresd", "dresd:d=5:l=4:k=16", "dresd-batch", "dresd-batch:d=2:l=12"]
 
 
-@pytest.mark.parametrize(
-    "kind,backend,curve",
-    [
-        ("llama", "fast", FLAT_CURVE),
-        ("llama", "fast", CPU_CURVE),
-        ("llama", "hf", CPU_CURVE),
-        ("gpt2", "hf", FLAT_CURVE),
-    ],
-    ids=["llama-fast-flat", "llama-fast-cpu", "llama-hf-cpu", "gpt2-hf-flat"],
-)
+@pytest.mark.parametrize("kind,backend,curve", BACKEND_CASES, ids=BACKEND_IDS)
 def test_greedy_dresd_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_path: Path) -> None:
     model = tiny_model(kind, vocab=VOCAB, seed=0)
     target = wrap_model(model, None, ModelConfig(backend=backend))
@@ -372,13 +371,7 @@ def test_sampling_dresd_matches_exact_distribution(mode: str, params: SamplingPa
         resources=DraftResources(LocalRetriever(version)),
     )
     dist = exact_distribution(model, prompt, params)
-    counts: dict[tuple[int, ...], int] = {}
-    drafted = 0
-    for seed in range(SAMPLES):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-        res = engine.generate(GenerationRequest(tuple(prompt), NEW, mode, sp, stop_at_eos=False))
-        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
-        drafted += res.stats.drafted_tokens
+    counts, drafted, _ = sample_counts(engine, prompt, mode, params)
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert drafted > SAMPLES // 4, f"{mode} hardly drafted ({drafted}); the test would prove nothing"

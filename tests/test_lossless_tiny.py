@@ -18,7 +18,7 @@ from scipy import stats
 from llm_worker.config import ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter
 from llm_worker.drafters.heads import HeadScore, HeadsFile, save_heads
-from llm_worker.engine import GenerationRequest
+from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.planner import CostCurve
 from llm_worker.sampling import warp_logits
@@ -140,6 +140,22 @@ def exact_distribution(model, prompt: list[int], params: SamplingParams) -> dict
     return dist
 
 
+def sample_counts(
+    engine: Engine, prompt: list[int], mode: str, params: SamplingParams, new: int = NEW
+) -> tuple[dict[tuple[int, ...], int], int, int]:
+    """SAMPLES generations seeded 0 .. SAMPLES-1: how often each continuation came, and the drafted
+    and accepted token totals (so that a test can show that drafts were really verified)."""
+    counts: dict[tuple[int, ...], int] = {}
+    drafted = accepted = 0
+    for seed in range(SAMPLES):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        res = engine.generate(GenerationRequest(tuple(prompt), new, mode, sp, stop_at_eos=False))
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        drafted += res.stats.drafted_tokens
+        accepted += res.stats.accepted_tokens
+    return counts, drafted, accepted
+
+
 def chi_square_p(counts: dict[tuple[int, ...], int], dist: dict[tuple[int, ...], float], n: int) -> float:
     """Goodness of fit, pooling the rarest outcomes so that every bin expects at least 5."""
     items = sorted(dist, key=lambda s: dist[s])
@@ -171,13 +187,7 @@ def test_sampling_every_mode_matches_exact_distribution(params: SamplingParams, 
     dist = exact_distribution(model, prompt, params)
     engine = engine_for(target, FLAT_CURVE)
     for mode in ["ar", "pld", "pld+h:layer=1", f"pld+a:file={heads}", "test-tree", "test-q"]:
-        counts: dict[tuple[int, ...], int] = {}
-        drafted = 0
-        for seed in range(SAMPLES):
-            sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-            res = engine.generate(GenerationRequest(tuple(prompt), NEW, mode, sp, stop_at_eos=False))
-            counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
-            drafted += res.stats.drafted_tokens
+        counts, drafted, _ = sample_counts(engine, prompt, mode, params)
         p = chi_square_p(counts, dist, SAMPLES)
         assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
         if mode != "ar":

@@ -8,7 +8,15 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import assert_greedy_identical, engine_for, greedy_tokens, tiny_model, tiny_target
-from test_lossless_tiny import FLAT_CURVE, NEW, SAMPLES, VOCAB, chi_square_p, exact_distribution, prompts
+from test_lossless_tiny import (
+    FLAT_CURVE,
+    SAMPLES,
+    VOCAB,
+    chi_square_p,
+    exact_distribution,
+    prompts,
+    sample_counts,
+)
 
 from datastore_svc.store import DatastoreVersion, LocalRetriever, write_version
 from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig, SamplingParams
@@ -53,16 +61,16 @@ REST_MODES = [
 CPU_CURVE = CostCurve.linear(0.05, 0.003)
 
 
-@pytest.mark.parametrize(
-    "kind,backend,curve",
-    [
-        ("llama", "fast", FLAT_CURVE),
-        ("llama", "fast", CPU_CURVE),
-        ("llama", "hf", CPU_CURVE),
-        ("gpt2", "hf", FLAT_CURVE),
-    ],
-    ids=["llama-fast-flat", "llama-fast-cpu", "llama-hf-cpu", "gpt2-hf-flat"],
-)
+BACKEND_CASES = [
+    ("llama", "fast", FLAT_CURVE),
+    ("llama", "fast", CPU_CURVE),
+    ("llama", "hf", CPU_CURVE),
+    ("gpt2", "hf", FLAT_CURVE),
+]
+BACKEND_IDS = ["llama-fast-flat", "llama-fast-cpu", "llama-hf-cpu", "gpt2-hf-flat"]
+
+
+@pytest.mark.parametrize("kind,backend,curve", BACKEND_CASES, ids=BACKEND_IDS)
 def test_greedy_rest_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_path: Path) -> None:
     target = tiny_target(kind, backend=backend)
     engine = rest_engine(target, datastore_for(target, tmp_path / "v"), curve)
@@ -120,13 +128,7 @@ def test_sampling_rest_matches_exact_distribution(params: SamplingParams, tmp_pa
     engine = rest_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")), FLAT_CURVE)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     dist = exact_distribution(model, prompt, params)
-    counts: dict[tuple[int, ...], int] = {}
-    drafted = 0
-    for seed in range(SAMPLES):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-        res = engine.generate(GenerationRequest(tuple(prompt), NEW, "rest", sp, stop_at_eos=False))
-        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
-        drafted += res.stats.drafted_tokens
+    counts, drafted, _ = sample_counts(engine, prompt, "rest", params)
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"rest: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert drafted > SAMPLES // 4, f"rest hardly drafted ({drafted}); the test would prove nothing"
@@ -154,11 +156,7 @@ def test_sampling_rest_trees_with_siblings_match_exact_distribution(
     params = SamplingParams(temperature=1.0, top_k=4)
     model, engine, prompt = own_samples_engine(tmp_path, params)
     dist = exact_distribution_of(model, prompt, params, new)
-    counts: dict[tuple[int, ...], int] = {}
-    for seed in range(SAMPLES):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-        res = engine.generate(GenerationRequest(tuple(prompt), new, "rest", sp, stop_at_eos=False))
-        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+    counts, _, _ = sample_counts(engine, prompt, "rest", params, new)
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"rest trees: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert sum(branching) > SAMPLES // 4, f"{sum(branching)} of {len(branching)} trees branched"
