@@ -106,6 +106,12 @@ def _add_datastore_args(p: argparse.ArgumentParser) -> None:
         help="redis://HOST:PORT[/DB] caching dense statistics and query results (dresd), shared by workers",
     )
     g.add_argument("--dense-cache-ttl", type=int, default=600, help="seconds a cached dense query lives")
+    g.add_argument(
+        "--dense-cache-context",
+        type=int,
+        default=0,
+        help="key cached dense queries by the last N context tokens (0 = the whole context)",
+    )
 
 
 def _resources(args: argparse.Namespace, tokenizer: Any) -> Any:
@@ -144,7 +150,11 @@ def _resources(args: argparse.Namespace, tokenizer: Any) -> Any:
         link = link_for(getattr(args, "dense_cache", None))
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    queries = QueryCache(link, ttl=args.dense_cache_ttl) if link is not None else None
+    queries = (
+        QueryCache(link, ttl=args.dense_cache_ttl, context_window=args.dense_cache_context)
+        if link is not None
+        else None
+    )
     return DraftResources(retriever, dense_stats=StatsCache(link), dense_queries=queries)
 
 

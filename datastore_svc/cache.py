@@ -166,20 +166,26 @@ def decode_result(fields: dict[bytes, bytes]) -> tuple[np.ndarray, DenseRetrieva
 class QueryCache:
     """Query embeddings and their drafts, keyed by version, draft shape and context hash."""
 
-    def __init__(self, link: RedisLink | None, ttl: int = 600, max_value_bytes: int = 16_384) -> None:
+    def __init__(
+        self, link: RedisLink | None, ttl: int = 600, max_value_bytes: int = 16_384, context_window: int = 0
+    ) -> None:
+        """``context_window``: hash only the last N context tokens (0 = all: a hit then returns the
+        drafts a search would return; a window hits more often, with drafts found for another
+        beginning — never a different output, the verifier sees to that)."""
         self.link = link
         self.ttl = ttl
         self.max_value_bytes = max_value_bytes
+        self.context_window = context_window
         self.counters = CacheCounters()
 
     @property
     def enabled(self) -> bool:
         return self.link is not None and self.link.available
 
-    @staticmethod
-    def key(version: str, cfg: DenseConfig, context: np.ndarray) -> str:
-        shape = f"k{cfg.top_k}d{cfg.max_candidates}l{cfg.max_length}"
-        return f"{NAMESPACE}:{version}:dense-q:{shape}:{context_hash(context)}"
+    def key(self, version: str, cfg: DenseConfig, context: np.ndarray) -> str:
+        shape = f"k{cfg.top_k}d{cfg.max_candidates}l{cfg.max_length}w{self.context_window}"
+        recent = context[-self.context_window :] if self.context_window else context
+        return f"{NAMESPACE}:{version}:dense-q:{shape}:{context_hash(recent)}"
 
     def get(self, key: str) -> DenseRetrieval | None:
         if not self.enabled:

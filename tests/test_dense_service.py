@@ -352,3 +352,13 @@ def test_cache_metrics_are_exported_to_prometheus() -> None:
         "specdraft_dense_cache_errors_total 0.0",
     ):
         assert line in text, text
+
+
+def test_query_keys_cover_the_whole_context_or_a_recent_window() -> None:
+    whole, recent = QueryCache(None), QueryCache(None, context_window=3)
+    a, b = np.array([1, 2, 3, 4, 5]), np.array([9, 9, 3, 4, 5])
+    assert whole.key("v", CFG, a) != whole.key("v", CFG, b)
+    assert recent.key("v", CFG, a) == recent.key("v", CFG, b) != whole.key("v", CFG, a)
+    assert recent.key("v", CFG, a) != recent.key("w", CFG, a)
+    other_shape = DenseConfig(top_k=8, max_candidates=3, max_length=8)
+    assert whole.key("v", CFG, a) != whole.key("v", other_shape, a)

@@ -102,7 +102,7 @@ class DresdDrafter(Drafter):
         version = pinned or self.retriever.current_version()
         if not version or version in self._refused:
             return None
-        key = QueryCache.key(version, self.cfg, ctx.tokens) if self.queries is not None else ""
+        key = self.queries.key(version, self.cfg, ctx.tokens) if self.queries is not None else ""
         if self.queries is not None:
             hit = self.queries.get(key)
             if hit is not None:
