@@ -362,3 +362,34 @@ def test_query_keys_cover_the_whole_context_or_a_recent_window() -> None:
     assert recent.key("v", CFG, a) != recent.key("w", CFG, a)
     other_shape = DenseConfig(top_k=8, max_candidates=3, max_length=8)
     assert whole.key("v", CFG, a) != whole.key("v", other_shape, a)
+
+
+def test_a_swap_to_a_dense_version_of_other_dimensions(setup, tmp_path: Path) -> None:
+    """Each request projects with the statistics of the version it is pinned to: before a swap v
+    (16 dims), after it v-d8 (8 dims, rebuilt from v's tokens without the model) — identical to ar
+    on both, and both draft."""
+    from datastore_svc.dense_build import DenseBuildConfig, dense_step
+    from datastore_svc.fanout import swap_all
+    from datastore_svc.store import derive_version
+
+    model, target, _, root, refs = setup
+    cfg = DenseBuildConfig(dims=8, window=32, overlap=8, chunk_tokens=120, cache_dir=root / "hidden")
+    if not (root / "v-d8").exists():
+        derive_version(
+            root / "v", root / "v-d8", dense_step(model, "tiny", target.info.weights_id, cfg, False)
+        )
+    servers = [ShardThread(ShardState.open(root / "v", i)) for i in range(2)]
+    try:
+        remote = RemoteDatastore([s.address for s in servers], deadline=5.0)
+        remote.recheck_seconds = 0.0  # ask the shards for their version at every request
+        engine = engine_with(target, remote)
+        prompt = prompts(VOCAB)[0]
+        before = engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
+        swap_all([s.address for s in servers], "v-d8")
+        after = engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
+        assert before.token_ids == after.token_ids == refs[0]
+        assert (before.datastore_version, after.datastore_version) == ("v", "v-d8")
+        assert before.stats.drafted_tokens > 0 and after.stats.drafted_tokens > 0
+    finally:
+        for s in servers:
+            s.stop()
