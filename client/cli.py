@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 EXIT_BAD_INPUT = 2
 
@@ -77,21 +77,38 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _load_model(args: argparse.Namespace, backend: Literal["hf"] | None = None) -> tuple[Any, Any]:
+    """(target, tokenizer) from the model arguments; ``backend`` overrides --backend (the dense
+    build reads hidden states through transformers' batched forward)."""
     _quiet_libraries()
     from llm_worker.config import ModelConfig
-    from llm_worker.engine import Engine
     from llm_worker.model import load_target
     from llm_worker.model.loading import ModelNotFoundError
 
     cfg = ModelConfig(
-        path=args.model, dtype=args.dtype, device=args.device, threads=args.threads, backend=args.backend
+        path=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        backend=backend or args.backend,
     )
     try:
-        target, tokenizer = load_target(cfg)
+        return load_target(cfg)
     except (ModelNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from exc
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    from llm_worker.engine import Engine
+
+    target, tokenizer = _load_model(args)
     return Engine(target, resources=_resources(args, tokenizer)), target, tokenizer
+
+
+def _check_dense_model(version: Any, target: Any) -> None:
+    """Refuse a dense version whose keys are another model's hidden states."""
+    if version.dense_model and version.dense_model != target.info.weights_id:
+        raise CliError(f"{version.path}: dense keys of another model than {target.info.name}")
 
 
 def _add_datastore_args(p: argparse.ArgumentParser) -> None:
@@ -343,20 +360,10 @@ def _dense_step(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     """(the build step adding the dense index, the model's tokenizer, the model directory)."""
     from datastore_svc.dense import IndexParams
     from datastore_svc.dense_build import DenseBuildConfig, dense_step
-    from llm_worker.config import ModelConfig
-    from llm_worker.model import load_target
-    from llm_worker.model.loading import ModelNotFoundError, resolve_model_dir
+    from llm_worker.model.loading import resolve_model_dir
 
-    _quiet_libraries()
-    try:
-        model_dir = resolve_model_dir(args.model)
-        target, tokenizer = load_target(
-            ModelConfig(
-                path=args.model, dtype=args.dtype, device=args.device, threads=args.threads, backend="hf"
-            )
-        )
-    except (ModelNotFoundError, ValueError) as exc:
-        raise CliError(str(exc)) from exc
+    target, tokenizer = _load_model(args, "hf")
+    model_dir = resolve_model_dir(args.model)
     try:
         cfg = DenseBuildConfig(
             dims=args.pca_dims,
@@ -382,6 +389,7 @@ def _cmd_datastore_build(args: argparse.Namespace) -> int:
         DatastoreVersion,
         build,
         derive_version,
+        read_manifest,
         tokenizer_identity,
     )
 
@@ -399,9 +407,9 @@ def _cmd_datastore_build(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         if args.source:
-            source = DatastoreVersion(args.source, verify=False)
+            assert extend is not None  # --from needs --dense (checked above)
             fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
-            if source.manifest["tokenizer"].get("fingerprint") != fingerprint:
+            if read_manifest(Path(args.source))["tokenizer"].get("fingerprint") != fingerprint:
                 raise CliError(f"{args.source} was built with another tokenizer than {model_dir}'s")
             derive_version(args.source, args.out, extend)
         else:
@@ -579,23 +587,12 @@ def _dense_bytes(manifest: dict[str, Any]) -> int:
 def _dense_bench_setup(args: argparse.Namespace, version: Any) -> tuple[Any, Any, Any]:
     """(statistics, queries from the suite's prompts, the dresd draft shape) for --dense."""
     from datastore_svc.dense_bench import dense_queries
-    from llm_worker.config import ModelConfig
     from llm_worker.drafters.dresd import dense_config
-    from llm_worker.model import load_target
-    from llm_worker.model.loading import ModelNotFoundError
 
     if version.dense_stats is None:
         raise CliError(f"{version.path} has no dense index (build it with --dense)")
-    try:
-        target, tokenizer = load_target(
-            ModelConfig(
-                path=args.model, dtype=args.dtype, device=args.device, threads=args.threads, backend="hf"
-            )
-        )
-    except (ModelNotFoundError, ValueError) as exc:
-        raise CliError(str(exc)) from exc
-    if version.dense_model and version.dense_model != target.info.weights_id:
-        raise CliError(f"{version.path}: dense keys of another model than {target.info.name}")
+    target, tokenizer = _load_model(args, "hf")
+    _check_dense_model(version, target)
     queries = dense_queries(target.model, tokenizer, args.queries)
     return version.dense_stats, queries, dense_config({}, 3, 10)
 
@@ -681,22 +678,14 @@ def _cmd_datastore_eval(args: argparse.Namespace) -> int:
     from datastore_svc.dense_build import DenseBuildConfig, HiddenStates
     from datastore_svc.dense_eval import evaluate
     from datastore_svc.store import DatastoreError, DatastoreVersion, tokenize_documents, tokenizer_identity
-    from llm_worker.config import ModelConfig
-    from llm_worker.model import load_target
-    from llm_worker.model.loading import ModelNotFoundError
 
-    _quiet_libraries()
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
     if not ks or ks[0] < 1:
         raise CliError("--k takes positive integers, e.g. 1,8,32")
     if not Path(args.corpus).is_file():
         raise CliError(f"corpus {args.corpus} does not exist")
+    target, tokenizer = _load_model(args, "hf")
     try:
-        target, tokenizer = load_target(
-            ModelConfig(
-                path=args.model, dtype=args.dtype, device=args.device, threads=args.threads, backend="hf"
-            )
-        )
         fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
         reports = {}
         cfg = DenseBuildConfig(
@@ -711,12 +700,11 @@ def _cmd_datastore_eval(args: argparse.Namespace) -> int:
         hidden = [states.chunk([d])[0] for d in docs]
         for path in args.datastore:
             version = DatastoreVersion(path, tokenizer_fingerprint=fingerprint)
-            if version.dense_model and version.dense_model != target.info.weights_id:
-                raise CliError(f"{path}: dense keys of another model than {target.info.name}")
+            _check_dense_model(version, target)
             report = evaluate(version, hidden, docs, ks, n=args.n, count=args.positions, seed=args.seed)
             reports[version.version] = {"dims": version.dense_stats.dims if version.dense_stats else 0}
             reports[version.version].update(report.as_dict())
-    except (ModelNotFoundError, DatastoreError, CorpusError, ValueError) as exc:
+    except (DatastoreError, CorpusError, ValueError) as exc:
         raise CliError(str(exc)) from exc
     payload = {"corpus": args.corpus, "continuation": args.n, "versions": reports}
     text = json.dumps(payload, indent=1)

@@ -89,9 +89,14 @@ class StatsCache:
     def key(version: str) -> str:
         return f"{NAMESPACE}:{version}:dense-stats"
 
+    def remember(self, version: str, stats: DenseStats) -> None:
+        """Keep statistics this process already has (no Redis round trip later)."""
+        with self._lock:
+            self._local[version] = stats
+
     def publish(self, version: str, stats: DenseStats) -> bool:
         """Store the statistics in Redis (True if stored)."""
-        self._local[version] = stats
+        self.remember(version, stats)
         if self.link is None:
             return False
         return bool(self.link.call(self.link.client.set, self.key(version), stats.to_bytes()))
@@ -211,7 +216,7 @@ class QueryCache:
         if not self.enabled:
             return
         assert self.link is not None
-        fields = encode_result(query, result)
+        fields: dict[Any, bytes] = dict(encode_result(query, result))
         if sum(len(v) for v in fields.values()) > self.max_value_bytes:
             return
         client = self.link.client

@@ -184,10 +184,11 @@ def build_index(keys: np.ndarray, kind: str, params: IndexParams = IndexParams()
     x = np.ascontiguousarray(keys, dtype=np.float32)
     n, dims = x.shape
     ip, fp16 = faiss.METRIC_INNER_PRODUCT, faiss.ScalarQuantizer.QT_fp16
+    index: Any
     if kind == "flat":
         index = faiss.IndexScalarQuantizer(dims, fp16, ip)
     elif kind == "hnsw":
-        index = faiss.IndexHNSWSQ(dims, fp16, params.hnsw_m, ip)
+        index = faiss.IndexHNSWSQ(dims, fp16, params.hnsw_m, ip)  # type: ignore[arg-type]  # stubs: the qtype enum
         index.hnsw.efConstruction = params.hnsw_ef_construction
     elif kind in ("ivf", "ivfpq"):
         lists = params.ivf_lists or max(1, min(int(4 * np.sqrt(max(n, 1))), n // 39 or 1))

@@ -93,7 +93,10 @@ def evaluate(
     truth = np.stack([np.asarray(docs[d][p + 1 : p + 1 + n], dtype=np.int64) for d, p in pairs])
     queries = stats.project(states)
     kmax = max(ks)
-    scores, rel1, reln, recalls = [], [], [], {k: [] for k in ks}
+    scores: list[np.ndarray] = []
+    rel1: list[np.ndarray] = []
+    reln: list[np.ndarray] = []
+    recalls: dict[int, list[float]] = {k: [] for k in ks}
     for shard in version.shards:
         dense = shard.dense
         if dense is None or dense.index.ntotal == 0:

@@ -93,7 +93,8 @@ class RemoteDatastore:
         if not answers:
             return Retrieval((), 0, 0, 0), version
         chosen = version or Counter(a.version for a in answers).most_common(1)[0][0]
-        self._current = self._current if version else chosen
+        if not version:  # an unpinned answer says what the shards serve now
+            self._current = chosen
         results = [from_response(a) for a in answers if a.version == chosen]
         return merge(results, cfg.max_nodes, cfg.max_candidates), chosen
 

@@ -129,11 +129,16 @@ def dense_response(result: DenseRetrieval, version: str) -> datastore_pb2.Retrie
     )
     for cand in result.candidates:
         msg = resp.candidates.add(tokens=cand.tokens, count=cand.count, score=cand.score)
-        if cand.source is not None:
-            msg.source.shard = cand.source.shard
-            msg.source.document = cand.source.document
-            msg.source.offset = cand.source.offset
+        _fill_source(msg, cand.source)
     return resp
+
+
+def _fill_source(msg: Any, source: Any) -> None:
+    """The candidate message's source (shard, document, offset), if the candidate has one."""
+    if source is not None:
+        msg.source.shard = source.shard
+        msg.source.document = source.document
+        msg.source.offset = source.offset
 
 
 def to_response(result: Retrieval, version: str) -> datastore_pb2.RetrieveResponse:
@@ -146,10 +151,7 @@ def to_response(result: Retrieval, version: str) -> datastore_pb2.RetrieveRespon
     for cand in result.candidates:
         msg = resp.candidates.add(tokens=cand.tokens, count=cand.count, prefix_counts=cand.counts)
         msg.score = cand.count / max(result.sampled, 1)
-        if cand.source is not None:
-            msg.source.shard = cand.source.shard
-            msg.source.document = cand.source.document
-            msg.source.offset = cand.source.offset
+        _fill_source(msg, cand.source)
     return resp
 
 
@@ -193,13 +195,15 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
             store = self.state.version(request.version)
         except VersionNotLoaded as exc:
             await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
-        if store.dense_stats is None:
+        stats = store.dense_stats
+        if stats is None:
             message = f"version {store.version} has no dense index (build it with --dense)"
             await self._abort(context, "Retrieve", grpc.StatusCode.FAILED_PRECONDITION, message)
+            return datastore_pb2.RetrieveResponse()  # not reached: abort raises
         separator = int(store.manifest["separator"])
         query = np.asarray(request.embedding, dtype=np.float32)
         try:
-            cfg = dense_config(request, self.cfg.dense_defaults, store.dense_stats.dims)
+            cfg = dense_config(request, self.cfg.dense_defaults, stats.dims)
             if not np.isfinite(query).all():
                 raise ValueError("embedding has non-finite values")
             if not 0 <= request.next_token < separator:

@@ -228,7 +228,7 @@ def write_version(
             for name in ARRAYS:
                 path = sdir / f"{name}.npy"
                 np.save(path, arrays[name])
-                files[f"{name}.npy"] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+                files[path.name] = _file_entry(path)
                 total_bytes += path.stat().st_size
             seconds["write"] += time.perf_counter() - t2
             seconds["suffix_array"] += t2 - t1
@@ -271,9 +271,14 @@ def _extend(tmp: Path, manifest: dict[str, Any], extend: Extend) -> int:
         for name in DENSE_FILES:
             path = sdir / name
             if path.exists():
-                entry["files"][name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+                entry["files"][name] = _file_entry(path)
                 added += path.stat().st_size
     return added
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    """A file's manifest entry: its size and SHA-256 (checked when a version is opened)."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _finish(tmp: Path, out: Path, manifest: dict[str, Any]) -> None:

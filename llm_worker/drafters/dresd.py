@@ -148,25 +148,12 @@ def _make(
     resources: DraftResources,
     shape: Callable[[DenseRetrieval], Draft],
 ) -> Drafter:
-    retriever = resources.retriever
+    retriever: Any = resources.retriever  # the dense calls are beyond the sparse Retriever protocol
     if retriever is None or not hasattr(retriever, "retrieve_dense"):
         raise ModeUnavailableError(
             "needs a datastore with a dense index (--datastore DIR or --datastore-addr)"
         )
-    try:
-        version = retriever.current_version()
-        stats, model = retriever.dense_stats(version) if version else (None, "")
-    except Exception as exc:  # a remote datastore that does not answer now: checked again every step
-        log.info("dense datastore not reachable now (%s); dresd will try per step", exc)
-    else:
-        if version and stats is None:
-            raise ModeUnavailableError(f"datastore {version} has no dense index (build it with --dense)")
-        if model and model != target.info.weights_id:
-            raise ModeUnavailableError(
-                f"datastore {version} holds hidden states of another model ({model}; this one is "
-                f"{target.info.weights_id})"
-            )
-    return DresdDrafter(
+    drafter = DresdDrafter(
         retriever,
         target.info.num_layers,
         target.info.weights_id,
@@ -175,6 +162,22 @@ def _make(
         resources.dense_stats,
         resources.dense_queries,
     )
+    try:
+        version = retriever.current_version()
+        stats, model = retriever.dense_stats(version) if version else (None, "")
+    except Exception as exc:  # a remote datastore that does not answer now: checked again every step
+        log.info("dense datastore not reachable now (%s); dresd will try per step", exc)
+        return drafter
+    if version and stats is None:
+        raise ModeUnavailableError(f"datastore {version} has no dense index (build it with --dense)")
+    if model and model != target.info.weights_id:
+        raise ModeUnavailableError(
+            f"datastore {version} holds hidden states of another model ({model}; this one is "
+            f"{target.info.weights_id})"
+        )
+    if stats is not None:  # checked here: the first step need not fetch them again
+        drafter.stats.remember(version, stats)
+    return drafter
 
 
 @DRAFTERS.register(
