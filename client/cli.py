@@ -960,7 +960,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.out:
         path = Path(args.out)
     elif args.ship:
-        path = shipped_heads_path(target.info.fingerprint)
+        path = shipped_heads_path(target.info.weights_id)  # shipped: one file for every dtype
     else:
         path = user_heads_dir() / f"{target.info.fingerprint}.json"
     save_heads(heads, path)

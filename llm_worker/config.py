@@ -27,11 +27,14 @@ class ModelConfig:
     """torch intra-op threads on CPU; None keeps torch's default (one per core)."""
     max_context: int | None = None
     """Upper bound on prompt + generated tokens; None means the model's own limit."""
-    packed_gemm_rows: tuple[int, int] | None = (4, 127)
-    """Fast backend on CPU: forwards whose row count lies in this range multiply by weights
-    prepacked for oneDNN, whose small-batch GEMM is much faster than MKL's beyond 3 rows on
-    AVX-512 machines (measured: a 17-row verify 128 → 97 ms); MKL stays faster for 1-3 rows and
-    slightly faster for large prefills. Costs a second copy of the weights. None disables."""
+    kernel: str = "auto"
+    """Fast backend: the GEMM kernel, ``LIBRARY:MIN_ROWS`` (``aten`` = torch's own BLAS call,
+    ``onednn`` = weights prepacked for oneDNN on CPU; forwards with fewer rows are padded to
+    MIN_ROWS). "auto" checks every candidate's batch invariance on this machine, times the
+    invariant ones and uses the fastest (cached with the cost curve). A kernel named here is used
+    as is, invariant or not."""
+    attention_chunk: int = 256
+    """Fast backend: keys per chunk of the attention's fixed reduction grid (divides 512)."""
     backend: Literal["auto", "fast", "hf"] = "auto"
     """"fast": our Llama-family forward over a preallocated KV cache (trees, hidden states and
     per-head queries for free); "hf": the model's own transformers forward (any causal LM);

@@ -22,10 +22,8 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import os
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +31,7 @@ from pathlib import Path
 import torch
 
 from llm_worker.config import CostConfig, PlannerConfig
-from llm_worker.model.loading import cache_root
+from llm_worker.model.loading import atomic_write_text, cache_root
 from llm_worker.model.target import TargetModel
 from llm_worker.types import ArtifactNeeds, DraftBatch, DraftTree, Outcome, VerifyResult
 
@@ -150,11 +148,7 @@ def load_or_measure(target: TargetModel, cfg: CostConfig, max_size: int) -> Cost
     log.info("measuring the verify cost curve (once per model, dtype, device and thread count)")
     curve = measure_cost_curve(target, cfg, max_size)
     if cfg.cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(curve.to_json(), f)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(curve.to_json()))
     return curve
 
 

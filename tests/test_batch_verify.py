@@ -152,18 +152,6 @@ def test_batched_forward_rows_equal_their_own_chains(kind: str, backend: str) ->
             assert torch.allclose(out.hidden[1][r, : 1 + len(row)], hidden[0, len(PREFIX) :], atol=1e-5)
 
 
-def test_fast_batch_equals_the_generic_tree_fallback() -> None:
-    target = wrap_model(tiny_model("llama"), None, ModelConfig(backend="fast"))
-    assert isinstance(target, FastLlamaTarget)
-    batch = DraftBatch(ROWS)
-    lengths = [len(r) for r in ROWS]
-    with torch.inference_mode():
-        fast = target.forward_batch(prefilled(target), batch_inputs(batch), lengths, NONE)
-        generic = TargetModel.forward_batch(target, prefilled(target), batch_inputs(batch), lengths, NONE)
-    for r, n in enumerate(lengths):
-        assert torch.allclose(fast.logits[r, : 1 + n], generic.logits[r, : 1 + n], atol=1e-5)
-
-
 @pytest.mark.parametrize("backend", ["fast", "hf"])
 @pytest.mark.parametrize("row,accepted", [(4, 2), (0, 4), (2, 0), (1, 1)])
 def test_commit_of_a_row_equals_running_its_accepted_tokens_as_a_chain(

@@ -102,15 +102,15 @@ def test_non_llama_models_fall_back_to_transformers_backend() -> None:
         wrap_model(tiny_model("gpt2"), None, ModelConfig(backend="fast"))
 
 
-@pytest.mark.parametrize("rows", [None, (1, 100), (4, 10)])
-def test_packed_gemm_path_matches_transformers(rows: tuple[int, int] | None) -> None:
+@pytest.mark.parametrize("kernel", ["aten:1", "aten:4", "onednn:2", "onednn:16", "auto"])
+def test_every_kernel_matches_transformers(kernel: str) -> None:
     model = tiny_model("llama")
-    target = wrap_model(model, None, ModelConfig(backend="fast", packed_gemm_rows=rows))
+    target = wrap_model(model, None, ModelConfig(backend="fast", kernel=kernel))
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = reference_logits(model, ids)
     with torch.inference_mode():
         state = target.start()
-        for lo, hi in ((0, 2), (2, 8), (8, 9), (9, 24)):  # row counts on both sides of the threshold
+        for lo, hi in ((0, 2), (2, 8), (8, 9), (9, 24)):  # row counts below and above the padding
             out = target.forward(state, torch.tensor(ids[lo:hi]), None, NONE)
             target.commit(state, range(hi - lo))
             assert torch.allclose(out.logits, ref[lo:hi], atol=1e-4)

@@ -110,11 +110,14 @@ def shipped_heads_path(fingerprint: str) -> Path:
     return Path(str(resources.files("llm_worker") / "data" / "induction_heads" / f"{fingerprint}.json"))
 
 
-def find_heads_file(fingerprint: str) -> Path | None:
-    """A calibration for these weights: the user's cache first, then the files we ship."""
-    for path in (user_heads_dir() / f"{fingerprint}.json", shipped_heads_path(fingerprint)):
-        if path.is_file():
-            return path
+def find_heads_file(*ids: str) -> Path | None:
+    """A calibration for these weights: the user's cache first, then the files we ship; for each
+    place the ids in order (the dtype-specific fingerprint, then the dtype-free weights id: the
+    induction heads are a property of the weights, and a bfloat16 load uses float32's)."""
+    for directory in (user_heads_dir(), shipped_heads_path("x").parent):
+        for key in ids:
+            if key and (directory / f"{key}.json").is_file():
+                return directory / f"{key}.json"
     return None
 
 

@@ -35,7 +35,8 @@ from llm_worker.model.target import TargetModel
 from llm_worker.types import ArtifactNeeds, DraftTree
 
 DEFAULT_HIDDEN_LAYER_FRACTION = 0.5  # replaced per model by the sweep result below
-SWEPT_LAYERS: dict[str, int] = {"28011fabd34fa01b": 17}  # fingerprint -> best layer (README, "pld+h layer")
+# fingerprint or weights id -> best layer (README, "pld+h layer"); swept in float32
+SWEPT_LAYERS: dict[str, int] = {"28011fabd34fa01b": 17, "de7dc0073f16aefd": 17}
 DEFAULT_HEADS = 50
 
 
@@ -140,7 +141,7 @@ class AttentionDrafter(Drafter):
 
 
 def default_hidden_layer(target: TargetModel) -> int:
-    swept = SWEPT_LAYERS.get(target.info.fingerprint)
+    swept = SWEPT_LAYERS.get(target.info.fingerprint, SWEPT_LAYERS.get(target.info.weights_id))
     if swept is not None:
         return swept
     return max(1, round(target.info.num_layers * DEFAULT_HIDDEN_LAYER_FRACTION))
@@ -169,7 +170,9 @@ def _make_pld_a(target: TargetModel, options: dict[str, str], resources: DraftRe
             "use a Llama-family model with --backend fast"
         )
     path_option = options.get("file")
-    path = Path(path_option) if path_option else find_heads_file(target.info.fingerprint)
+    path = (
+        Path(path_option) if path_option else find_heads_file(target.info.fingerprint, target.info.weights_id)
+    )
     if path is None:
         raise ModeUnavailableError(
             f"no induction-head calibration for this model (fingerprint {target.info.fingerprint}); "

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from llm_worker.config import ModelConfig
+from llm_worker.model import kernels
 from llm_worker.model.fast_llama import FastLlamaTarget, unsupported_reason
+from llm_worker.model.kernels import Kernel
 from llm_worker.model.loading import MARKER, resolve_model_dir, torch_dtype
 from llm_worker.model.target import HFTarget, TargetModel, describe
 
@@ -28,7 +30,22 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
         log.info("fast backend unavailable (%s); using the transformers forward", reason)
     info = describe(model, tokenizer, cfg.dtype, cfg.device, backend, cfg.max_context)
     if backend == "fast":
-        return FastLlamaTarget(model, info, cfg.packed_gemm_rows)
+        report = None
+        if cfg.kernel == "auto":
+            weights, head = FastLlamaTarget.gemm_shapes(model)
+            report = kernels.load_or_measure(
+                info.fingerprint, weights, head, info.num_layers, torch.device(cfg.device), model.dtype
+            )
+            kernel = Kernel.parse(report.chosen)
+        else:
+            kernel = Kernel.parse(cfg.kernel)
+            if kernel.library == "onednn" and not kernels.onednn_available(
+                torch.device(cfg.device), model.dtype
+            ):
+                raise ValueError(
+                    f"kernel {cfg.kernel!r}: oneDNN prepacking is not available for this device/dtype"
+                )
+        return FastLlamaTarget(model, info, kernel, cfg.attention_chunk, report)
     return HFTarget(model, info)
 
 

@@ -7,11 +7,20 @@ what speculative decoding needs built in:
   rows, never re-concatenates the whole cache;
 - any tree attention mask, position ids from tree depths;
 - the hidden state of any layer and the post-RoPE query of any head, at no extra cost;
-- a batch of D drafts as D rows of one forward over the shared cache, which is read in place,
-  never copied per row (``forward_batch`` / ``commit_batch``).
+- **batch invariance**: a token's logits (and its hidden states and K/V) are bit-identical
+  whether it is computed alone, inside a draft tree or chain of any size, at any position of the
+  forward, or in a prefill chunk — so every speculative mode reproduces ``ar`` exactly, in every
+  dtype, with no near-tie excuse. Each operation is row-invariant: RMSNorm, RoPE (a table of every
+  position's cos/sin, computed once), SiLU·up and residuals work row by row; GEMMs run one kernel
+  for every row count (``kernels``: chosen among those that are invariant on this machine,
+  padding forwards with fewer rows than the kernel's minimum); attention sums over keys in a
+  fixed grid of ``attention_chunk`` keys from position 0 (``_attention``), so more queries never
+  change how one query's keys are reduced.
 
 q/k/v and gate/up projections are fused into one matrix each (the module weights become
-views of the fused matrices, so no memory is duplicated).
+views of the fused matrices, so no memory is duplicated). A batch of drafts runs as the
+equivalent tree (``TargetModel.forward_batch``): a separate batched attention would reduce each
+row's own keys in another order than a decode of the same token.
 
 Covers model types whose forward is the Llama one: llama, mistral (no sliding window inside
 the context), qwen2 (q/k/v biases).
@@ -27,12 +36,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llm_worker.model.target import BatchForwardOutput, ForwardOutput, SequenceState, TargetInfo, TargetModel
+from llm_worker.model.kernels import Kernel, KernelReport, Linear
+from llm_worker.model.target import ForwardOutput, SequenceState, TargetInfo, TargetModel
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _GROW = 512  # KV capacity grows in steps of this many positions
+ATTENTION_CHUNK = 256  # keys per reduction chunk of the attention (divides _GROW)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -52,53 +63,21 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-class _Linear:
-    """y = x W^T + b, with a second, oneDNN-prepacked copy of W for forwards of many rows."""
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, packed_rows: tuple[int, int] | None
-    ) -> None:
-        self.weight = weight  # [out, in]
-        self.bias = bias  # [out]
-        self.lo, self.hi = packed_rows or (1, 0)
-        self.packed = None
-        if packed_rows is not None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [1, n, in] → [1, n, out]."""
-        if self.packed is not None and self.lo <= x.shape[-2] <= self.hi:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
 @dataclass
 class _Layer:
     ln_attn: torch.Tensor  # [hidden]
-    qkv: _Linear  # [hidden] → [(heads + 2 * kv_heads) * head_dim]
-    o: _Linear  # [heads * head_dim] → [hidden]
+    qkv: Linear  # [hidden] → [(heads + 2 * kv_heads) * head_dim]
+    o: Linear  # [heads * head_dim] → [hidden]
     ln_mlp: torch.Tensor  # [hidden]
-    gate_up: _Linear  # [hidden] → [2 * intermediate]
-    down: _Linear  # [intermediate] → [hidden]
+    gate_up: Linear  # [hidden] → [2 * intermediate]
+    down: Linear  # [intermediate] → [hidden]
 
 
 class _KVState(SequenceState):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.length = 0
         self.keys = keys  # [layers, 1, kv_heads, capacity, head_dim]
-        self.values = values  # [layers, 1, kv_heads, capacity, head_dim]
-        self.batch_keys: torch.Tensor | None = None  # [layers, D, kv_heads, 1 + L, head_dim] last batch
-        self.batch_values: torch.Tensor | None = None  # [layers, D, kv_heads, 1 + L, head_dim]
+        self.values = values  # [layers, 1, kv_heads, capacity, head_dim + 1]: the last column is 1
 
 
 def _fuse(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
@@ -123,24 +102,41 @@ def _fuse_bias(linears: Sequence[torch.nn.Linear]) -> torch.Tensor | None:
 
 
 class FastLlamaTarget(TargetModel):
-    def __init__(self, model: Any, info: TargetInfo, packed_gemm_rows: tuple[int, int] | None = None) -> None:
+    """The fast forward; batch-invariant (see the module docstring) given an invariant ``kernel``."""
+
+    def __init__(
+        self,
+        model: Any,
+        info: TargetInfo,
+        kernel: Kernel | None = None,
+        attention_chunk: int = ATTENTION_CHUNK,
+        report: KernelReport | None = None,
+    ) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast backend: {reason}")
+        if attention_chunk < 1 or _GROW % attention_chunk:
+            raise ValueError(f"attention_chunk must divide {_GROW}, got {attention_chunk}")
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
         cfg = model.config
         self.eps = float(cfg.rms_norm_eps)
         self.dtype = model.get_input_embeddings().weight.dtype
+        self.kernel = kernel or Kernel("aten", 1)
+        self.kernel_report = report
+        self.chunk = attention_chunk
         inner = model.model
         self.embed = inner.embed_tokens
-        self.rotary = inner.rotary_emb
         self.norm = inner.norm.weight.detach()
-        rows = packed_gemm_rows if packed_gemm_available(self.device, self.dtype) else None
-        self.packed_gemm_rows = rows
+        # cos/sin of every position, computed once by the model's own rotary embedding: a
+        # position's values never depend on which other positions share its forward.
+        positions = torch.arange(info.max_context, device=self.device)[None]
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = inner.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [max_context, head_dim]
         head = model.lm_head
-        self.lm_head = _Linear(head.weight.detach(), head.bias, rows)
+        self.lm_head = Linear(head.weight.detach(), head.bias, self.kernel)
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -149,13 +145,30 @@ class FastLlamaTarget(TargetModel):
             self.layers.append(
                 _Layer(
                     ln_attn=layer.input_layernorm.weight.detach(),
-                    qkv=_Linear(_fuse(qkv), _fuse_bias(qkv), rows),
-                    o=_Linear(attn.o_proj.weight.detach(), o_bias, rows),
+                    qkv=Linear(_fuse(qkv), _fuse_bias(qkv), self.kernel),
+                    o=Linear(attn.o_proj.weight.detach(), o_bias, self.kernel),
                     ln_mlp=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=_Linear(_fuse([mlp.gate_proj, mlp.up_proj]), None, rows),
-                    down=_Linear(mlp.down_proj.weight.detach(), None, rows),
+                    gate_up=Linear(_fuse([mlp.gate_proj, mlp.up_proj]), None, self.kernel),
+                    down=Linear(mlp.down_proj.weight.detach(), None, self.kernel),
                 )
             )
+
+    @staticmethod
+    def gemm_shapes(model: Any) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor]:
+        """One layer's GEMM weights as the forward multiplies them (fused), and the LM head: what
+        the kernel choice checks and times."""
+        layer = model.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        fused_qkv = torch.cat([lin.weight.detach() for lin in qkv]).contiguous()
+        gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous()
+        weights = [
+            (fused_qkv, _fuse_bias(qkv)),
+            (attn.o_proj.weight.detach(), None if attn.o_proj.bias is None else attn.o_proj.bias.detach()),
+            (gate_up, None),
+            (mlp.down_proj.weight.detach(), None),
+        ]
+        return weights, model.lm_head.weight.detach()
 
     @property
     def supports_queries(self) -> bool:
@@ -163,8 +176,17 @@ class FastLlamaTarget(TargetModel):
 
     @property
     def kernel_variant(self) -> str:
-        rows = self.packed_gemm_rows
-        return "" if rows is None else f"-packed{rows[0]}to{rows[1]}"
+        return f"-{self.kernel.library}{self.kernel.min_rows}-c{self.chunk}"
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads (every layer, the final norm and the LM head)."""
+        total = self.lm_head.weight.numel() * self.lm_head.weight.element_size()
+        for layer in self.layers:
+            for t in (layer.ln_attn, layer.ln_mlp):
+                total += t.numel() * t.element_size()
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                total += lin.weight.numel() * lin.weight.element_size()
+        return total + self.norm.numel() * self.norm.element_size()
 
     # -- KV state ---------------------------------------------------------------------------
 
@@ -172,14 +194,17 @@ class FastLlamaTarget(TargetModel):
         return _KVState(*self._buffers(_GROW))
 
     def _buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [layers, 1, kv, capacity, d]; values [layers, 1, kv, capacity, d + 1] whose last
+        column is 1 (the attention's softmax denominator, see ``_attention``)."""
         i = self.info
         shape = (i.num_layers, 1, i.num_kv_heads, capacity, i.head_dim)
-        return (
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-        )
+        values = torch.zeros((*shape[:-1], i.head_dim + 1), dtype=self.dtype, device=self.device)
+        values[..., -1] = 1
+        return torch.zeros(shape, dtype=self.dtype, device=self.device), values
 
     def _reserve(self, state: _KVState, needed: int) -> None:
+        """Capacity for ``needed`` positions, rounded up to the attention's key chunks (a multiple
+        of ``_GROW``, which the chunk divides)."""
         capacity = state.keys.shape[3]
         if needed <= capacity:
             return
@@ -189,6 +214,13 @@ class FastLlamaTarget(TargetModel):
         keys[:, :, :, : state.length] = state.keys[:, :, :, : state.length]
         values[:, :, :, : state.length] = state.values[:, :, :, : state.length]
         state.keys, state.values = keys, values
+
+    def branching_rows_limit(self, state: SequenceState) -> int | None:
+        """Rows up to the next key-chunk boundary. A tree node's key sits at slot start + row of
+        the cache, where decoding it alone puts it at start + depth; inside one chunk that only
+        moves it past zeros of its siblings (no-ops of the chunk's sequential reduction), but a
+        node whose key crossed into the next chunk would be summed in another chunk than alone."""
+        return self.chunk - state.length % self.chunk
 
     def keys(self, state: SequenceState, layer: int) -> torch.Tensor:
         assert isinstance(state, _KVState)
@@ -205,35 +237,65 @@ class FastLlamaTarget(TargetModel):
             state.values[:, :, :, dest] = state.values.index_select(3, index)
         state.length = start + len(rows)
 
-    def commit_batch(self, state: SequenceState, row: int, count: int) -> None:
-        """Copy columns 0 .. count - 1 of batch row ``row`` (root + accepted tokens) into the cache."""
-        assert isinstance(state, _KVState)
-        if state.batch_keys is None or state.batch_values is None:
-            raise RuntimeError("commit_batch without a forward_batch before it")
-        start = state.length
-        self._reserve(state, start + count)
-        state.keys[:, 0, :, start : start + count] = state.batch_keys[:, row, :, :count]
-        state.values[:, 0, :, start : start + count] = state.batch_values[:, row, :, :count]
-        state.length = start + count
-        state.batch_keys = state.batch_values = None
-
     # -- forward ----------------------------------------------------------------------------
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        """RMSNorm of each row, [n, hidden] (one fused kernel, float32 inside)."""
+        return F.rms_norm(x, weight.shape, weight, self.eps)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE of x [n, heads, d] with cos/sin [n, 1, d]."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        """h: [1, n, hidden] → h plus the layer's MLP output."""
-        gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
-        return h + layer.down(F.silu(gate) * up)
+    def _attention(
+        self,
+        q: torch.Tensor,  # [n, heads, d] post-RoPE queries
+        keys: torch.Tensor,  # [kv, capacity, d] this layer's cache, the new rows written
+        values: torch.Tensor,  # [kv, capacity, d + 1] values, then a column of ones
+        blocked: torch.Tensor,  # [n, T] bool: True where the query row may not see the key
+    ) -> torch.Tensor:
+        """Attention over the first T = chunks · C cached keys, row by row invariant: [n, heads · d].
+
+        Scores are one GEMM over the head dimension; exp(score − row max) is elementwise (the max
+        is exact in any order); then one GEMM per key chunk of C keys multiplies the weights by the
+        values *and* by the ones column, so the numerator and the softmax denominator come out of
+        the same sequential reduction over the chunk's keys, in which a blocked key (weight
+        exactly 0) is a no-op wherever it sits. The chunks are summed in order and the numerator
+        divided by the denominator. A query's result depends only on its own visible keys and the
+        chunk each falls in: more rows in the forward add blocked keys and all-zero chunks only.
+        Query head h reads KV head h // group (transformers' ``repeat_kv``).
+        """
+        n, heads, d = q.shape
+        kv = keys.shape[0]
+        group, t = heads // kv, blocked.shape[1]
+        chunks = t // self.chunk
+        qg = q.view(n, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * n, d)  # [kv, group·n, d]
+        scores = torch.matmul(qg, keys[:, :t].transpose(1, 2)).float()  # [kv, group·n, T]
+        scores = scores.view(kv, group, n, t).mul_(1.0 / math.sqrt(d)).masked_fill_(blocked, float("-inf"))
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(values.dtype)  # [kv, group, n, T]
+        weights = weights.view(kv, group * n, chunks, self.chunk).transpose(1, 2)  # [kv, chunks, group·n, C]
+        parts = torch.matmul(weights, values[:, :t].view(kv, chunks, self.chunk, d + 1))  # [.., d + 1]
+        total = parts.float().sum(1)  # [kv, group·n, d + 1]
+        out = (total[..., :d] / total[..., d:]).to(values.dtype)
+        return out.view(kv, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
+
+    def _blocked(self, start: int, n: int, tree: TreeBuffers | None) -> torch.Tensor:
+        """[n, T] bool, True where row i may not look: keys at or past the end of what it sees.
+
+        Row i sees the committed prefix and, among the new rows, its tree ancestors and itself
+        (a chain: rows 0..i). T is the end of the new rows rounded up to whole key chunks."""
+        end = start + n
+        t = -(-end // self.chunk) * self.chunk
+        blocked = torch.ones(n, t, dtype=torch.bool, device=self.device)
+        blocked[:, :start] = False
+        if tree is not None:
+            blocked[:, start:end] = ~tree.mask.to(self.device)
+        else:
+            blocked[:, start:end] = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1)
+        return blocked
 
     def forward(
         self,
@@ -257,166 +319,52 @@ class FastLlamaTarget(TargetModel):
         self._reserve(state, end)
         heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
 
-        positions = (offsets + start).to(self.device)[None]  # [1, n]
-        h = self.embed(tokens.to(self.device)[None])  # [1, n, hidden]
-        cos, sin = self.rotary(h, positions)  # [1, n, head_dim]
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, head_dim]
-
-        mask = None  # n == 1: the single row sees the whole cache
-        causal = n > 1 and start == 0 and tree is None  # a first prefill: plain causal attention
-        if n > 1 and not causal:
-            mask = torch.ones(n, end, dtype=torch.bool, device=self.device)
-            if tree is not None:
-                mask[:, start:] = tree.mask.to(self.device)
-            else:
-                mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        positions = (offsets + start).to(self.device)  # [n]
+        blocked = self._blocked(start, n, tree)  # [n, T]
+        tokens = tokens.to(self.device)
+        pad = self.kernel.min_rows - n
+        if pad > 0:
+            # Fewer rows than the kernel's minimum: pad once here rather than in every GEMM. The pad
+            # rows (token 0 at the last position, seeing key 0 alone) are computed and dropped; their
+            # K/V land past ``end``, where no real row looks.
+            self._reserve(state, end + pad)
+            tokens = torch.cat((tokens, tokens.new_zeros(pad)))
+            positions = torch.cat((positions, positions[-1:].expand(pad)))
+            pad_rows = torch.ones(pad, blocked.shape[1], dtype=torch.bool, device=self.device)
+            pad_rows[:, 0] = False
+            blocked = torch.cat((blocked, pad_rows))
+            n, end = n + pad, end + pad
+        real = n - max(pad, 0)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [n, 1, d]
+        h = self.embed(tokens)  # [n, hidden]
 
         wanted_heads: dict[int, list[int]] = {}
         for layer_index, head in needs.query_heads:
             wanted_heads.setdefault(layer_index, []).append(head)
         out = ForwardOutput(logits=torch.empty(0))
         if 0 in needs.hidden_layers:
-            out.hidden[0] = h[0]
+            out.hidden[0] = h[:real]
 
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index, layer in enumerate(self.layers):
-            x = self._rms(h, layer.ln_attn)
-            qkv = layer.qkv(x)  # [1, n, (heads + 2 kv) * head_dim]
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = self._rotate(q.view(1, n, heads, head_dim).transpose(1, 2), cos, sin)  # [1, heads, n, d]
-            k = self._rotate(k.view(1, n, kv_heads, head_dim).transpose(1, 2), cos, sin)  # [1, kv, n, d]
-            v = v.view(1, n, kv_heads, head_dim).transpose(1, 2)
-            state.keys[index, :, :, start:end] = k
-            state.values[index, :, :, start:end] = v
+            qkv = layer.qkv(self._rms(h, layer.ln_attn))  # [n, (heads + 2 kv) * head_dim]
+            qk = self._rotate(qkv[:, : q_size + kv_size].view(n, heads + kv_heads, head_dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]  # [n, heads, d], [n, kv, d]
+            v = qkv[:, q_size + kv_size :].view(n, kv_heads, head_dim)
+            keys, values = state.keys[index, 0], state.values[index, 0]  # [kv, capacity, d]
+            keys[:, start:end] = k.transpose(0, 1)
+            values[:, start:end, :head_dim] = v.transpose(0, 1)
             for head in wanted_heads.get(index, ()):
-                out.queries[(index, head)] = q[0, head]
-            attn = F.scaled_dot_product_attention(
-                q,
-                state.keys[index, :, :, :end],
-                state.values[index, :, :, :end],
-                attn_mask=mask,
-                is_causal=causal,
-                enable_gqa=heads != kv_heads,
-            )  # [1, heads, n, d]
-            h = self._mlp(layer, h + layer.o(attn.transpose(1, 2).reshape(1, n, q_size)))
+                out.queries[(index, head)] = q[:real, head]
+            h = h + layer.o(self._attention(q, keys, values, blocked))
+            gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
             if index + 1 in needs.hidden_layers and index + 1 < len(self.layers):
-                out.hidden[index + 1] = h[0]
-        h = self._rms(h, self.norm)
-        if (
-            len(self.layers) in needs.hidden_layers
-        ):  # the last layer's state after the final norm, as in transformers
-            out.hidden[len(self.layers)] = h[0]
+                out.hidden[index + 1] = h[:real]
+        h = self._rms(h[:real], self.norm)
+        if len(self.layers) in needs.hidden_layers:  # the last layer's state after the final norm
+            out.hidden[len(self.layers)] = h
         if last_logits_only:
-            h = h[:, -1:]
-        out.logits = self.lm_head(h)[0].float()
-        return out
-
-    @staticmethod
-    def _shared_prefix_attention(
-        q: torch.Tensor,  # [D, heads, M, head_dim] post-RoPE queries of the D rows, M = 1 + L
-        cached_k: torch.Tensor,  # [kv_heads, T, head_dim] the committed prefix, read in place
-        cached_v: torch.Tensor,  # [kv_heads, T, head_dim]
-        k: torch.Tensor,  # [D, kv_heads, M, head_dim] the rows' own keys
-        v: torch.Tensor,  # [D, kv_heads, M, head_dim]
-        own_mask: torch.Tensor,  # [D, 1, 1, M, M] bool, True = the query column may see the key column
-    ) -> torch.Tensor:
-        """Attention of every row over the shared prefix and its own columns: [D, heads, M, head_dim].
-
-        The prefix scores fold the batch into the query axis — [kv, D·group·M, d] @ [kv, d, T] —
-        which broadcasts the one cached K/V over the D rows without materialising D copies. The
-        rows' own scores are a small [D, kv, group, M, M] block; both join in one softmax.
-        Query head h reads KV head h // group, as in transformers' ``repeat_kv``.
-        """
-        rows, heads, m, head_dim = q.shape
-        kv = k.shape[1]
-        group, t = heads // kv, cached_k.shape[1]
-        scale = 1.0 / math.sqrt(head_dim)
-        qg = q.view(rows, kv, group, m, head_dim)  # [D, kv, group, M, d]
-        folded = qg.permute(1, 0, 2, 3, 4).reshape(kv, rows * group * m, head_dim)  # [kv, D·group·M, d]
-        prefix = torch.bmm(folded, cached_k.transpose(1, 2)).view(
-            kv, rows, group, m, t
-        )  # [kv, D, group, M, T]
-        own = torch.matmul(qg, k[:, :, None].transpose(-1, -2))  # [D, kv, group, M, M]
-        own = own.masked_fill(~own_mask, float("-inf"))
-        scores = (
-            torch.cat((prefix.permute(1, 0, 2, 3, 4), own), dim=-1).float() * scale
-        )  # [D, kv, group, M, T + M]
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        p_prefix = (
-            probs[..., :t].permute(1, 0, 2, 3, 4).reshape(kv, rows * group * m, t)
-        )  # [kv, D·group·M, T]
-        out = torch.bmm(p_prefix, cached_v).view(kv, rows, group, m, head_dim).permute(1, 0, 2, 3, 4)
-        out = out + torch.matmul(probs[..., t:], v[:, :, None])  # [D, kv, group, M, d]
-        return out.reshape(rows, heads, m, head_dim)
-
-    def forward_batch(
-        self,
-        state: SequenceState,
-        tokens: torch.Tensor,
-        lengths: Sequence[int],
-        needs: ArtifactNeeds,
-    ) -> BatchForwardOutput:
-        """D drafts as the D rows of one forward over the shared cache (see ``TargetModel``).
-
-        Input [D, M] (M = 1 + L: the root, then row r, right-padded). All D·M positions go through
-        the projections and MLPs as one [1, D·M, hidden] activation; attention splits per row:
-        the committed prefix, read in place by every row (``_shared_prefix_attention``), plus the
-        row's own columns, causally. A padding key is masked too; with trailing padding the
-        causal mask already hides it from every real column, and pad columns, which nobody
-        reads, still see the root, so no query is left without a key.
-
-        The rows' new K/V stay aside ([layers, D, kv, M, d]) until ``commit_batch`` copies the
-        chosen row's accepted columns into the cache; a step that commits nothing costs no copy.
-        """
-        assert isinstance(state, _KVState)
-        info = self.info
-        rows, m = int(tokens.shape[0]), int(tokens.shape[1])
-        start = state.length
-        if start + m - 1 >= info.max_context:
-            raise ValueError(f"context of {start + m} tokens exceeds the model's limit of {info.max_context}")
-        heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
-        dev = self.device
-
-        positions = (torch.arange(m) + start).to(dev)[None]  # [1, M]: column c at start + c
-        h = self.embed(tokens.to(dev).reshape(1, rows * m))  # [1, D·M, hidden]
-        cos, sin = self.rotary(h, positions)  # [1, M, head_dim]
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, M, head_dim], the same for every row
-        col = torch.arange(m, device=dev)
-        real = col[None, :] <= torch.tensor(list(lengths), device=dev)[:, None]  # [D, M] root + draft
-        own_mask = (col[:, None] >= col[None, :])[None] & real[:, None, :]  # [D, M (query), M (key)]
-        own_mask = own_mask[:, None, None]  # [D, 1, 1, M, M]
-
-        new_shape = (info.num_layers, rows, kv_heads, m, head_dim)
-        new_keys = torch.empty(new_shape, dtype=self.dtype, device=dev)  # [layers, D, kv, M, d]
-        new_values = torch.empty(new_shape, dtype=self.dtype, device=dev)  # [layers, D, kv, M, d]
-
-        wanted_heads: dict[int, list[int]] = {}
-        for layer_index, head in needs.query_heads:
-            wanted_heads.setdefault(layer_index, []).append(head)
-        out = BatchForwardOutput(logits=torch.empty(0))
-        if 0 in needs.hidden_layers:
-            out.hidden[0] = h[0].view(rows, m, -1)
-
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rms(h, layer.ln_attn))  # [1, D·M, (heads + 2 kv) * head_dim]
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = self._rotate(q.view(rows, m, heads, head_dim).transpose(1, 2), cos, sin)  # [D, heads, M, d]
-            k = self._rotate(k.view(rows, m, kv_heads, head_dim).transpose(1, 2), cos, sin)  # [D, kv, M, d]
-            v = v.view(rows, m, kv_heads, head_dim).transpose(1, 2)  # [D, kv, M, d]
-            new_keys[index] = k
-            new_values[index] = v
-            for head in wanted_heads.get(index, ()):
-                out.queries[(index, head)] = q[:, head]
-            attn = self._shared_prefix_attention(
-                q, state.keys[index, 0, :, :start], state.values[index, 0, :, :start], k, v, own_mask
-            )  # [D, heads, M, d]
-            h = self._mlp(layer, h + layer.o(attn.transpose(1, 2).reshape(1, rows * m, q_size)))
-            if index + 1 in needs.hidden_layers and index + 1 < len(self.layers):
-                out.hidden[index + 1] = h[0].view(rows, m, -1)
-        h = self._rms(h, self.norm)
-        if len(self.layers) in needs.hidden_layers:
-            out.hidden[len(self.layers)] = h[0].view(rows, m, -1)
-        out.logits = self.lm_head(h)[0].float().view(rows, m, -1)  # [D, M, vocab]
-        state.batch_keys, state.batch_values = new_keys, new_values
+            h = h[-1:]
+        out.logits = self.lm_head(h).float()
         return out

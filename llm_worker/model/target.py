@@ -157,6 +157,11 @@ class TargetModel(ABC):
         state.batch_rows = None
         self.commit(state, rows)
 
+    def branching_rows_limit(self, state: SequenceState) -> int | None:
+        """Most rows (root included) a forward of a *branching* tree may have after ``state`` and
+        stay bit-identical to decoding its tokens one by one; None: no limit. Chains never have one."""
+        return None
+
     def keys(self, state: SequenceState, layer: int) -> torch.Tensor:
         """Post-RoPE keys of committed positions: [num_kv_heads, length, head_dim]."""
         raise NotImplementedError(f"the {self.info.backend} backend does not expose its KV cache")

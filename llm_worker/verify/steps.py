@@ -105,6 +105,9 @@ class TreeVerification(Verification[DraftTree]):
         needs: ArtifactNeeds,
         decide: Decide,
     ) -> StepResult:
+        limit = target.branching_rows_limit(state)
+        if limit is not None and 1 + len(draft) > limit and not draft.is_chain():
+            draft = draft.subtree(range(limit - 1))  # nodes are in topological order: a subtree
         inputs = torch.tensor((root, *draft.tokens), dtype=torch.long)  # [1 + num_nodes]
         fwd = target.forward(state, inputs, tree_buffers(draft.parents) if len(draft) else None, needs)
         result = decide(fwd.logits, draft)
@@ -132,6 +135,9 @@ class BatchVerification(Verification[DraftBatch]):
         needs: ArtifactNeeds,
         decide: Decide,
     ) -> StepResult:
+        limit = target.branching_rows_limit(state)
+        if limit is not None and draft.num_rows > 1 and 1 + len(draft) > limit:
+            draft = _fit_rows(draft, limit - 1)
         if not len(draft):  # nothing to verify: a plain one-token step
             return TREE.step(target, state, root, DraftTree.empty(), needs, decide)
         tokens = torch.cat(
@@ -143,6 +149,16 @@ class BatchVerification(Verification[DraftBatch]):
         row, count = chosen_row(trie, result)
         target.commit_batch(state, row, count)
         return StepResult(fwd.row(row), list(range(count)), trie.tree, result)
+
+
+def _fit_rows(batch: DraftBatch, tokens: int) -> DraftBatch:
+    """The first rows of ``batch`` holding at most ``tokens`` draft tokens in all, the last one cut."""
+    keep = []
+    for r, row in enumerate(batch.rows):
+        take = min(len(row), tokens)
+        keep.append((r, take))
+        tokens -= take
+    return batch.truncated(keep)
 
 
 TREE = TreeVerification()

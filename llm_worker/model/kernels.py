@@ -1,0 +1,260 @@
+"""GEMM kernels chosen by measurement, among the batch-invariant ones.
+
+A token's logits must not depend on how many rows its forward had (see ``fast_llama``). Every
+other operation of the fast forward is row-invariant by construction; a GEMM is not: BLAS
+libraries pick a different code path (GEMV, another K blocking, a K split across threads) for
+1, 2 or 3 rows than for many, and which sizes agree differs between libraries, dtypes and
+machines (on an Intel Sapphire Rapids VM, float32: MKL's row 0 of a 1-row product differs from
+the same row inside a 2-row product, oneDNN's prepacked kernel agrees from 2 rows up; bfloat16:
+both agree everywhere).
+
+A *kernel* here is a library plus a minimum row count: forwards with fewer rows are padded with
+zero rows up to it, so that every row count runs the same code path. At start-up each candidate
+is checked bitwise on this machine (a row alone vs the same row inside products of every size the
+engine uses, at the first and the last position, with the model's own weight shapes) and timed;
+the fastest invariant one is used. The verdicts and times are cached per model, dtype, device,
+thread count and torch version, next to the cost curve, and reported by ``specdraft bench``.
+
+Example: candidates ``aten:1`` (not invariant), ``onednn:2`` (invariant, 20 ms per token) and
+``onednn:4`` (invariant, 18 ms) → ``onednn:4``: a 1-row decode computes 3 zero rows too, and is
+still the fastest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llm_worker.model.loading import atomic_write_text, cache_root
+
+log = logging.getLogger(__name__)
+
+LIBRARIES = ("aten", "onednn")
+"""aten: ``F.linear`` (MKL on CPU, cuBLAS on CUDA); onednn: weights prepacked for oneDNN (CPU)."""
+PAD_ROWS = (1, 2, 4, 8, 16)
+CHECK_ROWS = (*range(1, 18), 24, 33, 48, 65, 128, 257, 1024)
+"""Row counts a row alone is compared with: every draft size up to 16, larger trees and batches,
+and prefill chunks."""
+TIME_ROWS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_WEIGHT = 3.0
+"""A single-row forward (every mode's decode, and all of ``ar``) counts this many times in the
+score; the other timed sizes once each."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    library: str
+    min_rows: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.library}:{self.min_rows}"
+
+    @staticmethod
+    def parse(text: str) -> Kernel:
+        """``"onednn:4"`` → Kernel("onednn", 4)."""
+        library, _, rows = text.partition(":")
+        if library not in LIBRARIES or not rows.isdigit() or int(rows) < 1:
+            raise ValueError(
+                f"unknown kernel {text!r}: expected LIBRARY:MIN_ROWS with LIBRARY in {LIBRARIES}"
+            )
+        return Kernel(library, int(rows))
+
+
+@dataclass
+class KernelReport:
+    """What was measured: the chosen kernel and, per candidate, invariance and times."""
+
+    chosen: str
+    invariant: dict[str, bool] = field(default_factory=dict)
+    seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # kernel -> rows -> s per forward
+    measured: bool = True
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "chosen": self.chosen,
+            "invariant": self.invariant,
+            "ms_per_forward_gemms": {
+                k: {str(n): round(1000 * s, 3) for n, s in v.items()} for k, v in self.seconds.items()
+            },
+        }
+
+    @staticmethod
+    def from_json(data: Mapping[str, object]) -> KernelReport:
+        times = data["ms_per_forward_gemms"]
+        assert isinstance(times, dict)
+        invariant = data["invariant"]
+        assert isinstance(invariant, dict)
+        return KernelReport(
+            chosen=str(data["chosen"]),
+            invariant={str(k): bool(v) for k, v in invariant.items()},
+            seconds={str(k): {int(n): float(ms) / 1000 for n, ms in v.items()} for k, v in times.items()},
+        )
+
+
+def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def candidates(device: torch.device, dtype: torch.dtype) -> list[Kernel]:
+    libraries = ["aten"] + (["onednn"] if onednn_available(device, dtype) else [])
+    return [Kernel(lib, rows) for lib in libraries for rows in PAD_ROWS]
+
+
+class Linear:
+    """y = x W^T + b through one kernel for every row count: x [n, in] → [n, out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias  # [out]
+        self.kernel = kernel
+        self.packed = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, None) if kernel.library == "onednn" else None
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        pad = self.kernel.min_rows - n
+        if pad > 0:
+            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y[:n] if pad > 0 else y
+
+
+def is_invariant(
+    linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: Sequence[int]
+) -> bool:
+    """Whether row i of ``linear(x[:m])`` equals ``linear(x[i:i+1])`` bit for bit, for the first and
+    the last row of every m in ``rows`` (x: [max(rows), in])."""
+    alone: dict[int, torch.Tensor] = {}
+    for m in rows:
+        out = linear(x[:m])
+        for i in {0, m - 1}:
+            if i not in alone:
+                alone[i] = linear(x[i : i + 1])[0]
+            if not torch.equal(out[i], alone[i]):
+                return False
+    return True
+
+
+def time_forward(
+    gemms: Sequence[Callable[[torch.Tensor], torch.Tensor]], inputs: Sequence[torch.Tensor], repeats: int
+) -> float:
+    """Median seconds of one pass over ``gemms`` (each applied to its input)."""
+    samples = []
+    for _ in range(repeats + 1):  # the first warms up
+        begin = time.perf_counter()
+        for gemm, x in zip(gemms, inputs, strict=True):
+            gemm(x)
+        samples.append(time.perf_counter() - begin)
+    samples = sorted(samples[1:])
+    return samples[len(samples) // 2]
+
+
+def choose(invariant: Mapping[str, bool], seconds: Mapping[str, Mapping[int, float]]) -> str | None:
+    """The invariant kernel with the lowest score Σ_n w(n) t(n) (w(1) = ``DECODE_WEIGHT``, else 1);
+    None if no candidate is invariant. Ties go to the earlier name in ``invariant``."""
+    best, best_score = None, float("inf")
+    for name, ok in invariant.items():
+        if not ok or name not in seconds:
+            continue
+        score = sum((DECODE_WEIGHT if n == 1 else 1.0) * t for n, t in seconds[name].items())
+        if score < best_score:
+            best, best_score = name, score
+    return best
+
+
+def measure(
+    layer_weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    head: torch.Tensor,
+    num_layers: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int = 3,
+) -> KernelReport:
+    """Check and time every candidate on one layer's weights (timed as ``num_layers`` layers) and
+    the LM head. Inputs are random, scaled like normalised activations."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [*layer_weights, (head, None)]
+
+    def rand(rows: int, width: int) -> torch.Tensor:
+        return torch.randn(rows, width, generator=gen).to(device=device, dtype=dtype)
+
+    check_inputs = [rand(max(CHECK_ROWS), w.shape[1]) for w, _ in shapes]
+    invariant: dict[str, bool] = {}
+    seconds: dict[str, dict[int, float]] = {}
+    for kernel in candidates(device, dtype):
+        linears = [Linear(w, b, kernel) for w, b in shapes]
+        ok = True
+        for index, (lin, x) in enumerate(zip(linears, check_inputs, strict=True)):
+            rows = CHECK_ROWS if index < len(linears) - 1 else [m for m in CHECK_ROWS if m <= 128]
+            if not is_invariant(lin, x, rows):
+                ok = False
+                break
+        invariant[kernel.name] = ok
+        if not ok:
+            continue
+        per_rows: dict[int, float] = {}
+        for n in TIME_ROWS:
+            gemms = [*linears[:-1] * num_layers, linears[-1]]
+            inputs = [x[:n] for x in check_inputs[:-1]] * num_layers + [check_inputs[-1][:n]]
+            per_rows[n] = time_forward(gemms, inputs, repeats)
+        seconds[kernel.name] = per_rows
+    chosen = choose(invariant, seconds)
+    if chosen is None:
+        fallback = candidates(device, dtype)[-1]
+        log.error(
+            "no batch-invariant GEMM kernel on this machine (%s, %s): tokens may differ between modes; "
+            "using %s",
+            device,
+            dtype,
+            fallback.name,
+        )
+        chosen = fallback.name
+    return KernelReport(chosen, invariant, seconds)
+
+
+def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
+    key = f"{fingerprint}-{dtype}-{device}-t{torch.get_num_threads()}-torch{torch.__version__}"
+    return cache_root() / "kernels" / (key.replace("/", "_").replace(":", "_") + ".json")
+
+
+def load_or_measure(
+    fingerprint: str,
+    layer_weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    head: torch.Tensor,
+    num_layers: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    use_cache: bool = True,
+) -> KernelReport:
+    path = cache_path(fingerprint, str(dtype).removeprefix("torch."), str(device))
+    if use_cache and path.is_file():
+        try:
+            report = KernelReport.from_json(json.loads(path.read_text()))
+            report.measured = False
+            return report
+        except (ValueError, KeyError, TypeError, AssertionError) as exc:
+            log.warning("ignoring unreadable kernel choice %s: %s", path, exc)
+    log.info("choosing GEMM kernels: checking batch invariance and timing (once per model, dtype, device)")
+    with torch.inference_mode():
+        report = measure(layer_weights, head, num_layers, device, dtype)
+    if use_cache:
+        atomic_write_text(path, json.dumps(report.to_json()))
+    return report

@@ -1,0 +1,292 @@
+"""Batch invariance of the fast forward: a token's outputs are bit-identical alone and inside
+forwards of 2, 4, 9, 17, 33 and 65 rows, at any position, in float32 and bfloat16.
+
+Each operation is checked on its own (GEMM kernels, RMSNorm, RoPE, SiLU·up, attention), then the
+whole forward on a tiny random Llama and on the real model; the kernel choice is driven by fake
+timing tables.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+from llm_worker.config import ModelConfig
+from llm_worker.model import kernels, wrap_model
+from llm_worker.model.fast_llama import FastLlamaTarget
+from llm_worker.model.kernels import Kernel, KernelReport, Linear
+from llm_worker.types import ArtifactNeeds
+from llm_worker.verify.tree import tree_buffers
+
+SIZES = (2, 4, 9, 17, 33, 65)
+DTYPES = (torch.float32, torch.bfloat16)
+NEEDS = ArtifactNeeds(hidden_layers=frozenset({1, 2}), query_heads=((0, 1), (1, 3)))
+
+
+def positions(n: int) -> list[int]:
+    return sorted({0, n // 2, n - 1})
+
+
+def tiny_fast(dtype: torch.dtype, kernel: str = "auto") -> FastLlamaTarget:
+    model = tiny_model("llama", layers=2).to(dtype)
+    target = wrap_model(model, None, ModelConfig(backend="fast", kernel=kernel, dtype=str(dtype)[6:]))
+    assert isinstance(target, FastLlamaTarget)
+    return target
+
+
+# -- operations ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chosen_gemm_kernel_is_row_invariant_for_the_model_shapes(dtype: torch.dtype) -> None:
+    target = tiny_fast(dtype)
+    gen = torch.Generator().manual_seed(1)
+    for lin in (target.layers[0].qkv, target.layers[0].down, target.lm_head):
+        x = torch.randn(max(SIZES), lin.weight.shape[1], generator=gen).to(dtype)
+        for n in SIZES:
+            out = lin(x[:n])
+            for i in positions(n):
+                assert torch.equal(out[i], lin(x[i : i + 1])[0]), (target.kernel, n, i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise_operations_are_row_invariant(dtype: torch.dtype) -> None:
+    target = tiny_fast(dtype)
+    gen = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(max(SIZES), 64, generator=gen)).to(dtype)
+    heads = torch.randn(max(SIZES), 6, 16, generator=gen).to(dtype)
+    gate_up = torch.randn(max(SIZES), 256, generator=gen).to(dtype)
+    w = target.layers[0].ln_attn
+    pos = torch.arange(max(SIZES)) * 7
+    cos, sin = target.cos[pos][:, None], target.sin[pos][:, None]
+
+    def silu_up(t: torch.Tensor) -> torch.Tensor:
+        gate, up = t.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    ops = {
+        "rms": lambda r: target._rms(x[r], w),
+        "rope": lambda r: target._rotate(heads[r], cos[r], sin[r]),
+        "silu_up": lambda r: silu_up(gate_up[r]),
+    }
+    for name, op in ops.items():
+        for n in SIZES:
+            out = op(slice(0, n))
+            for i in positions(n):
+                assert torch.equal(out[i], op(slice(i, i + 1))[0]), (name, n, i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start", [0, 5, 250, 300])
+def test_attention_is_row_invariant_across_chunk_boundaries(dtype: torch.dtype, start: int) -> None:
+    """A query alone (its keys up to itself) equals the same query inside n causal rows, also when
+    the n rows reach into the next key chunk."""
+    target = tiny_fast(dtype)
+    gen = torch.Generator().manual_seed(3)
+    heads, kv, d = 4, 2, 16
+    keys = torch.randn(kv, 512, d, generator=gen).to(dtype)
+    values = torch.cat((torch.randn(kv, 512, d, generator=gen), torch.ones(kv, 512, 1)), -1).to(dtype)
+    q = torch.randn(max(SIZES), heads, d, generator=gen).to(dtype)
+    for n in SIZES:
+        out = target._attention(q[:n], keys, values, target._blocked(start, n, None))
+        for i in positions(n):
+            alone = target._attention(q[i : i + 1], keys, values, target._blocked(start + i, 1, None))
+            assert torch.equal(out[i], alone[0]), (n, i)
+
+
+# -- the whole forward --------------------------------------------------------------------------
+
+
+def run_alone(target: FastLlamaTarget, prefix: torch.Tensor, tokens: list[int]) -> list:
+    """Each token of ``tokens`` decoded alone after ``prefix``: its ForwardOutput."""
+    state = target.start()
+    target.forward(state, prefix, None, NEEDS)
+    target.commit(state, range(len(prefix)))
+    outs = []
+    for t in tokens:
+        outs.append(target.forward(state, torch.tensor([t]), None, NEEDS))
+        target.commit(state, [0])
+    return outs
+
+
+def assert_same_row(batch, r: int, alone, label: object) -> None:
+    assert torch.equal(batch.logits[r], alone.logits[0]), label
+    for layer, h in batch.hidden.items():
+        assert torch.equal(h[r], alone.hidden[layer][0]), (label, "hidden", layer)
+    for key, q in batch.queries.items():
+        assert torch.equal(q[r], alone.queries[key][0]), (label, "query", key)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", ["auto", "onednn:4"])
+def test_forward_rows_equal_tokens_decoded_alone(dtype: torch.dtype, kernel: str) -> None:
+    if kernel != "auto" and not kernels.onednn_available(torch.device("cpu"), dtype):
+        pytest.skip("oneDNN prepacking is not available here")
+    target = tiny_fast(dtype, kernel)
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 96, (250,), generator=gen)  # drafts cross the 256-key chunk boundary
+    tokens = torch.randint(0, 96, (max(SIZES),), generator=gen).tolist()
+    alone = run_alone(target, prefix, tokens)
+    with torch.inference_mode():
+        for n in SIZES:
+            state = target.start()
+            target.forward(state, prefix, None, NEEDS)
+            target.commit(state, range(len(prefix)))
+            out = target.forward(state, torch.tensor(tokens[:n]), None, NEEDS)
+            for i in positions(n):
+                assert_same_row(out, i, alone[i], (dtype, kernel, n, i))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_rows_and_prefill_rows_equal_tokens_decoded_alone(dtype: torch.dtype) -> None:
+    """Branches of a tree (each node at its depth, siblings beside it) and rows of a prefill."""
+    target = tiny_fast(dtype)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 96, (40,), generator=gen)
+    # root 11 → 22 → 33 → 44, and 55 a sibling of 22 (parents index draft nodes; -1 = the root)
+    tree = tree_buffers((-1, 0, 1, -1))
+    toks = [11, 22, 33, 44, 55]
+    with torch.inference_mode():
+        state = target.start()
+        target.forward(state, prefix, None, NEEDS)
+        target.commit(state, range(len(prefix)))
+        out = target.forward(state, torch.tensor(toks), tree, NEEDS)
+    for path, rows in (([11, 22, 33, 44], [0, 1, 2, 3]), ([11, 55], [0, 4])):
+        alone = run_alone(target, prefix, path)
+        for step, row in enumerate(rows):
+            assert_same_row(out, row, alone[step], (dtype, path, row))
+    # prefill: row j of one forward over the whole prompt equals token j decoded after the rest
+    with torch.inference_mode():
+        full = target.forward(target.start(), prefix, None, NEEDS)
+        for j in (1, 17, 39):
+            alone = run_alone(target, prefix[:j], [int(prefix[j])])[0]
+            assert_same_row(full, j, alone, (dtype, "prefill", j))
+
+
+def test_a_branching_tree_is_trimmed_at_a_key_chunk_boundary_and_a_chain_is_not() -> None:
+    from llm_worker.config import SamplingParams
+    from llm_worker.types import DraftTree
+    from llm_worker.verify.steps import TREE, decider
+
+    target = tiny_fast(torch.float32)
+    decide = decider(SamplingParams(), torch.Generator())
+    tree = DraftTree((5, 6, 7, 8), (-1, 0, -1, 2))
+    chain = DraftTree.chain((5, 6, 7, 8))
+    with torch.inference_mode():
+        for draft, start, kept in ((tree, 254, 1), (tree, 250, 4), (chain, 254, 4)):
+            state = target.start()
+            target.forward(state, torch.zeros(start, dtype=torch.long), None, NEEDS)
+            target.commit(state, range(start))
+            assert target.branching_rows_limit(state) == 256 - start
+            step = TREE.step(target, state, 3, draft, NEEDS, decide)
+            assert len(step.decided) == kept, (draft, start)
+
+
+# -- the kernel choice --------------------------------------------------------------------------
+
+
+def test_choice_is_the_fastest_invariant_kernel_on_fake_timings() -> None:
+    invariant = {"aten:1": False, "onednn:2": True, "onednn:4": True, "aten:4": True}
+    seconds = {
+        "aten:1": {1: 0.001, 8: 0.002},  # fastest, but not invariant: never chosen
+        "onednn:2": {1: 0.020, 8: 0.025},
+        "onednn:4": {1: 0.018, 8: 0.024},
+        "aten:4": {1: 0.030, 8: 0.010},
+    }
+    assert kernels.choose(invariant, seconds) == "onednn:4"
+    # a single-row forward counts DECODE_WEIGHT times: a faster 8-row time cannot buy a slow decode
+    seconds["aten:4"] = {1: 0.0195, 8: 0.0225}
+    assert kernels.choose(invariant, seconds) == "onednn:4"
+    seconds["aten:4"] = {1: 0.017, 8: 0.020}
+    assert kernels.choose(invariant, seconds) == "aten:4"
+    assert kernels.choose({"aten:1": False}, {"aten:1": {1: 0.001}}) is None
+
+
+def test_measure_checks_invariance_and_times_only_invariant_candidates(monkeypatch) -> None:
+    """measure() on fake verdicts and a fake clock: the verdicts gate the timing, the timings
+    decide; nothing depends on this machine."""
+    verdicts = {"aten": False, "onednn": True}
+    monkeypatch.setattr(
+        kernels, "candidates", lambda d, t: [Kernel("aten", 1), Kernel("onednn", 2), Kernel("onednn", 4)]
+    )
+    monkeypatch.setattr(kernels, "Linear", lambda w, b, k: k)
+    monkeypatch.setattr(kernels, "is_invariant", lambda lin, x, rows: verdicts[lin.library])
+    fake = {"onednn:2": 0.02, "onednn:4": 0.01}
+    monkeypatch.setattr(
+        kernels, "time_forward", lambda gemms, inputs, repeats: fake[gemms[0].name] * len(inputs[0])
+    )
+    w = torch.zeros(8, 4)
+    report = kernels.measure([(w, None)], torch.zeros(16, 4), 2, torch.device("cpu"), torch.float32)
+    assert report.invariant == {"aten:1": False, "onednn:2": True, "onednn:4": True}
+    assert set(report.seconds) == {"onednn:2", "onednn:4"}
+    assert report.chosen == "onednn:4"
+
+
+def test_kernel_choice_is_cached_and_a_corrupt_cache_is_remeasured(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_measure(*args, **kw) -> KernelReport:
+        calls.append(1)
+        return KernelReport("aten:4", {"aten:4": True}, {"aten:4": {1: 0.01}})
+
+    monkeypatch.setattr(kernels, "measure", fake_measure)
+    args = ("fp", [], torch.zeros(1, 1), 1, torch.device("cpu"), torch.float32)
+    assert kernels.load_or_measure(*args).chosen == "aten:4"
+    again = kernels.load_or_measure(*args)
+    assert (again.chosen, again.measured, len(calls)) == ("aten:4", False, 1)
+    path = kernels.cache_path("fp", "float32", "cpu")
+    assert json.loads(path.read_text())["chosen"] == "aten:4"
+    path.write_text("{not json")
+    assert kernels.load_or_measure(*args).chosen == "aten:4"
+    assert len(calls) == 2
+
+
+def test_kernel_names_parse_and_bad_ones_are_refused() -> None:
+    assert Kernel.parse("onednn:4") == Kernel("onednn", 4)
+    assert Kernel.parse("aten:1").name == "aten:1"
+    for bad in ("mkl:1", "onednn", "onednn:0", "aten:x"):
+        with pytest.raises(ValueError, match="unknown kernel"):
+            Kernel.parse(bad)
+
+
+def test_linear_pads_small_inputs_and_returns_only_their_rows() -> None:
+    w = torch.randn(5, 3)
+    lin = Linear(w, None, Kernel("aten", 4))
+    x = torch.randn(2, 3)
+    assert lin(x).shape == (2, 5)
+    assert torch.allclose(lin(x), x @ w.T, atol=1e-6)
+
+
+# -- the real model -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["real_model", "real_model_bf16"])
+def test_real_model_rows_equal_tokens_decoded_alone(request, fixture: str) -> None:
+    target = request.getfixturevalue(fixture)[0]
+    assert isinstance(target, FastLlamaTarget)
+    gen = torch.Generator().manual_seed(6)
+    prefix = torch.randint(0, target.info.vocab_size, (240,), generator=gen)
+    tokens = torch.randint(0, target.info.vocab_size, (max(SIZES),), generator=gen).tolist()
+    needs = ArtifactNeeds(hidden_layers=frozenset({17}))
+    with torch.inference_mode():
+        state = target.start()
+        target.forward(state, prefix, None, needs)
+        target.commit(state, range(len(prefix)))
+        alone = []
+        for t in tokens:
+            alone.append(target.forward(state, torch.tensor([t]), None, needs))
+            target.commit(state, [0])
+        for n in SIZES:
+            state = target.start()
+            target.forward(state, prefix, None, needs)
+            target.commit(state, range(len(prefix)))
+            out = target.forward(state, torch.tensor(tokens[:n]), None, needs)
+            for i in positions(n):
+                assert torch.equal(out.logits[i], alone[i].logits[0]), (fixture, n, i)
+                assert torch.equal(out.hidden[17][i], alone[i].hidden[17][0]), (fixture, n, i)
