@@ -914,9 +914,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if not modes:
         modes = [*DRAFTERS.available(target, engine.resources), "hf-ar", "hf-pld"]
+    others = []
+    for dtype in [d.strip() for d in (args.also_dtype or "").split(",") if d.strip()]:
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise CliError(f"--also-dtype: unknown dtype {dtype!r}")
+        if dtype != target.info.dtype:
+            other_args = argparse.Namespace(**{**vars(args), "dtype": dtype})
+            others.append(_load(other_args)[0])
     console = Console(stderr=True)
     try:
-        result = run_bench(engine, tokenizer, questions, modes, args.max_new_tokens, progress=console.log)
+        result = run_bench(
+            engine, tokenizer, questions, modes, args.max_new_tokens, progress=console.log, others=others
+        )
     except (UnknownModeError, ModeUnavailableError) as exc:
         raise CliError(str(exc)) from exc
     report = result.to_json()
@@ -1192,6 +1201,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=0, help="run only the first N questions")
     b.add_argument("--json-out", help="write the report as JSON here")
     b.add_argument("--plot", help="write a PNG of speed-up and τ per mode and category")
+    b.add_argument(
+        "--also-dtype",
+        help="also run every engine mode with the model in these dtypes (comma-separated), as MODE@DTYPE, "
+        "interleaved in the same run",
+    )
     b.set_defaults(func=_cmd_bench)
 
     bg = sub.add_parser("bench-grpc", help="gRPC overhead per unary call and per streamed token")

@@ -19,8 +19,10 @@ class GenerationStats:
     draft_seconds: float = 0.0  # proposing and planning drafts
     verify_seconds: float = 0.0  # target forwards (prefill included) and accept / reject
     seconds: float = 0.0  # wall time of the whole request
+    prefill_seconds: float = 0.0  # the prompt's forwards (part of verify_seconds; not in to_json)
 
     def observe_prefill(self, seconds: float) -> None:
+        self.prefill_seconds += seconds
         self.target_forwards += 1
         self.new_tokens += 1
         self.verify_seconds += seconds

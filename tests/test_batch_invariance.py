@@ -45,12 +45,13 @@ def tiny_fast(dtype: torch.dtype, kernel: str = "auto") -> FastLlamaTarget:
 def test_chosen_gemm_kernel_is_row_invariant_for_the_model_shapes(dtype: torch.dtype) -> None:
     target = tiny_fast(dtype)
     gen = torch.Generator().manual_seed(1)
-    for lin in (target.layers[0].qkv, target.layers[0].down, target.lm_head):
+    layer = target.layers[0]
+    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down, target.lm_head):
         x = torch.randn(max(SIZES), lin.weight.shape[1], generator=gen).to(dtype)
         for n in SIZES:
             out = lin(x[:n])
             for i in positions(n):
-                assert torch.equal(out[i], lin(x[i : i + 1])[0]), (target.kernel, n, i)
+                assert torch.equal(out[i], lin(x[i : i + 1])[0]), (lin.kernel, n, i)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,11 +59,11 @@ def test_elementwise_operations_are_row_invariant(dtype: torch.dtype) -> None:
     target = tiny_fast(dtype)
     gen = torch.Generator().manual_seed(2)
     x = (3 * torch.randn(max(SIZES), 64, generator=gen)).to(dtype)
-    heads = torch.randn(max(SIZES), 6, 16, generator=gen).to(dtype)
+    heads = torch.randn(max(SIZES), 6, 16, generator=gen)  # RoPE runs in float32 (attention's dtype)
     gate_up = torch.randn(max(SIZES), 256, generator=gen).to(dtype)
     w = target.layers[0].ln_attn
     pos = torch.arange(max(SIZES)) * 7
-    cos, sin = target.cos[pos][:, None], target.sin[pos][:, None]
+    cos, sin = target.cos[pos][:, None], target.sin_signed[pos][:, None]
 
     def silu_up(t: torch.Tensor) -> torch.Tensor:
         gate, up = t.chunk(2, dim=-1)
@@ -88,13 +89,15 @@ def test_attention_is_row_invariant_across_chunk_boundaries(dtype: torch.dtype, 
     target = tiny_fast(dtype)
     gen = torch.Generator().manual_seed(3)
     heads, kv, d = 4, 2, 16
-    keys = torch.randn(kv, 512, d, generator=gen).to(dtype)
-    values = torch.cat((torch.randn(kv, 512, d, generator=gen), torch.ones(kv, 512, 1)), -1).to(dtype)
-    q = torch.randn(max(SIZES), heads, d, generator=gen).to(dtype)
+    keys = torch.randn(kv, 512, d, generator=gen)  # attention runs in float32 on CPU, any weights dtype
+    values = torch.cat((torch.randn(kv, 512, d, generator=gen), torch.ones(kv, 512, 1)), -1)
+    q = torch.randn(max(SIZES), heads, d, generator=gen)
     for n in SIZES:
-        out = target._attention(q[:n], keys, values, target._blocked(start, n, None))
+        out = target._attention(q[:n], keys, values, target._bias(start, n, None).repeat(2, 1))
         for i in positions(n):
-            alone = target._attention(q[i : i + 1], keys, values, target._blocked(start + i, 1, None))
+            alone = target._attention(
+                q[i : i + 1], keys, values, target._bias(start + i, 1, None).repeat(2, 1)
+            )
             assert torch.equal(out[i], alone[0]), (n, i)
 
 
@@ -208,41 +211,54 @@ def test_choice_is_the_fastest_invariant_kernel_on_fake_timings() -> None:
 
 def test_measure_checks_invariance_and_times_only_invariant_candidates(monkeypatch) -> None:
     """measure() on fake verdicts and a fake clock: the verdicts gate the timing, the timings
-    decide; nothing depends on this machine."""
-    verdicts = {"aten": False, "onednn": True}
+    decide, per GEMM role; nothing depends on this machine."""
     monkeypatch.setattr(
         kernels, "candidates", lambda d, t: [Kernel("aten", 1), Kernel("onednn", 2), Kernel("onednn", 4)]
     )
-    monkeypatch.setattr(kernels, "Linear", lambda w, b, k: k)
-    monkeypatch.setattr(kernels, "is_invariant", lambda lin, x, rows: verdicts[lin.library])
-    fake = {"onednn:2": 0.02, "onednn:4": 0.01}
+    monkeypatch.setattr(kernels, "Linear", lambda w, b, k: (w, k))
+    # aten is never invariant; onednn:2 is not invariant for the weight of 3 columns (the "down" role)
     monkeypatch.setattr(
-        kernels, "time_forward", lambda gemms, inputs, repeats: fake[gemms[0].name] * len(inputs[0])
+        kernels,
+        "is_invariant",
+        lambda lin, x, rows: (
+            lin[1].library == "onednn" and not (lin[0].shape[1] == 3 and lin[1].min_rows == 2)
+        ),
     )
-    w = torch.zeros(8, 4)
-    report = kernels.measure([(w, None)], torch.zeros(16, 4), 2, torch.device("cpu"), torch.float32)
-    assert report.invariant == {"aten:1": False, "onednn:2": True, "onednn:4": True}
-    assert set(report.seconds) == {"onednn:2", "onednn:4"}
-    assert report.chosen == "onednn:4"
+    fake = {"onednn:2": 0.01, "onednn:4": 0.02}
+    monkeypatch.setattr(
+        kernels, "time_forward", lambda gemms, inputs, repeats: fake[gemms[0][1].name] * len(gemms)
+    )
+    w, narrow = torch.zeros(8, 4), torch.zeros(4, 3)
+    layer = [(w, None), (w, None), (w, None), (narrow, None)]
+    report = kernels.measure(layer, torch.zeros(16, 4), 2, torch.device("cpu"), torch.float32)
+    assert report.invariant["qkv"] == {"aten:1": False, "onednn:2": True, "onednn:4": True}
+    assert set(report.seconds["qkv"]) == {"onednn:2", "onednn:4"}
+    assert report.chosen == {
+        "qkv": "onednn:2", "o": "onednn:2", "gate_up": "onednn:2", "down": "onednn:4", "lm_head": "onednn:2"
+    }  # fmt: skip
+    assert report.seconds["qkv"]["onednn:2"][1] == pytest.approx(0.02)  # a layer role counts every layer
+    assert report.seconds["lm_head"]["onednn:2"][1] == pytest.approx(0.01)
+    assert KernelReport.from_json(json.loads(json.dumps(report.to_json()))).chosen == report.chosen
 
 
 def test_kernel_choice_is_cached_and_a_corrupt_cache_is_remeasured(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     calls = []
+    chosen = dict.fromkeys(kernels.ROLES, "aten:4")
 
     def fake_measure(*args, **kw) -> KernelReport:
         calls.append(1)
-        return KernelReport("aten:4", {"aten:4": True}, {"aten:4": {1: 0.01}})
+        return KernelReport(dict(chosen), {r: {"aten:4": True} for r in chosen}, {})
 
     monkeypatch.setattr(kernels, "measure", fake_measure)
     args = ("fp", [], torch.zeros(1, 1), 1, torch.device("cpu"), torch.float32)
-    assert kernels.load_or_measure(*args).chosen == "aten:4"
+    assert kernels.load_or_measure(*args).chosen == chosen
     again = kernels.load_or_measure(*args)
-    assert (again.chosen, again.measured, len(calls)) == ("aten:4", False, 1)
+    assert (again.chosen, again.measured, len(calls)) == (chosen, False, 1)
     path = kernels.cache_path("fp", "float32", "cpu")
-    assert json.loads(path.read_text())["chosen"] == "aten:4"
+    assert json.loads(path.read_text())["chosen"] == chosen
     path.write_text("{not json")
-    assert kernels.load_or_measure(*args).chosen == "aten:4"
+    assert kernels.load_or_measure(*args).chosen == chosen
     assert len(calls) == 2
 
 

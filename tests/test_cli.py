@@ -119,17 +119,44 @@ def test_bench_json_table_and_plot(
         str(out_json),
         "--plot",
         str(out_png),
+        "--also-dtype",
+        "bfloat16",
     )
     assert code == 0
     report = json.loads(out_json.read_text())
-    assert list(report["modes"]) == ["ar", "pld", "pld+h", "hf-ar", "hf-pld"]
+    assert list(report["modes"]) == [
+        "ar", "pld", "pld+h", "hf-ar", "hf-pld", "ar@bfloat16", "pld@bfloat16", "pld+h@bfloat16"
+    ]  # fmt: skip
+    for name in ("pld@bfloat16", "pld+h@bfloat16"):  # compared with bfloat16's own ar: bit-exact too
+        assert report["modes"][name]["identical_to_ar"], name
+        assert "speedup_vs_primary_ar" in report["modes"][name]
+    machine = report["machine"]
+    assert machine["memory_read_gb_per_s"] > 0
+    for dtype in ("float32", "bfloat16"):
+        info = machine["dtypes"][dtype]
+        assert info["weight_bytes"] > 0 and set(info["gemm_kernels"]) == {
+            "qkv",
+            "o",
+            "gate_up",
+            "down",
+            "lm_head",
+        }
+        assert info["bandwidth_limit_tokens_per_second"] > 0
+        assert info["ar_fraction_of_bandwidth_limit"] > 0
+        for role, kernel in info["gemm_kernels"].items():
+            assert info["gemm_kernel_candidates"]["invariant"][role][kernel]
+    assert (
+        machine["ar_fraction_of_bandwidth_limit"]
+        == machine["dtypes"]["float32"]["ar_fraction_of_bandwidth_limit"]
+    )
+    assert machine["dtype_comparison"]["bfloat16"]["outputs"] == 3
     for name, mode in report["modes"].items():
         assert {"tokens_per_second", "speedup_vs_ar", "tau", "acceptance_rate", "identical_to_ar"} <= set(
             mode
         )
         assert set(mode["per_category"]) == {"copy", "open"}
         assert mode["outputs"] == 3
-        if name in ("pld", "pld+h", "hf-ar"):  # greedy and lossless: the same tokens as ar
+        if name in ("pld", "pld+h"):  # greedy and lossless: the same tokens as ar
             assert mode["identical_to_ar"], name
     assert report["modes"]["ar"]["tau"] == pytest.approx(1.0)
     assert {"cpu", "torch", "dtype", "verify_cost_ms_at_512"} <= set(report["machine"])

@@ -59,6 +59,21 @@ def render_table(report: dict[str, Any], console: Console) -> None:
         f"{mach['dtype']} on {mach['device']}, backend {mach['backend']}; "
         f"verify cost t(n) ms at 512 ctx: {mach['verify_cost_ms_at_512']}"
     )
+    if "memory_read_gb_per_s" in mach:
+        console.print(f"memory read bandwidth: {mach['memory_read_gb_per_s']} GB/s")
+    for dtype, d in mach.get("dtypes", {}).items():
+        console.print(
+            f"{dtype}: GEMM kernels {d.get('gemm_kernels', '–')}, "
+            f"weights {d.get('weight_bytes', 0) / 1e6:.0f} MB, "
+            f"bandwidth limit {_fmt(d.get('bandwidth_limit_tokens_per_second'), 1)} tok/s; ar "
+            f"{_fmt(d.get('ar_tokens_per_second'), 1)} tok/s = "
+            f"{_fmt(d.get('ar_fraction_of_bandwidth_limit'))} of it "
+            f"(decode alone {_fmt(d.get('ar_decode_tokens_per_second'), 1)} tok/s = "
+            f"{_fmt(d.get('ar_decode_fraction_of_bandwidth_limit'))})"
+        )
+    for dtype, c in mach.get("dtype_comparison", {}).items():
+        same = next(v for k, v in c.items() if k.startswith("ar_outputs_identical"))
+        console.print(f"{dtype} ar identical to {mach['dtype']} ar: {same}/{c['outputs']} outputs")
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:

@@ -5,13 +5,23 @@ question, so that machine noise (a shared, busy CPU) falls on all modes alike. M
 questions feed each mode its own earlier answers. Reported per mode and per category:
 tokens/s (all new tokens over all seconds), speed-up vs ``ar``, τ, acceptance rate, and whether
 every output is token-identical to ``ar``'s.
+
+With ``others`` (e.g. the same model loaded in bfloat16 beside float32), every engine mode also
+runs on each other engine as ``MODE@DTYPE``, in the same interleaved loop; each is compared with
+its own dtype's ``ar`` (``ar@DTYPE``), and ``ar@DTYPE``'s outputs with the primary ``ar``'s.
+
+The machine section reports what bounds decoding: the memory read bandwidth measured here, the
+weight bytes one forward reads, their quotient (the bandwidth limit in tokens/s) and ``ar``'s
+tokens/s as a fraction of it, per dtype, and the GEMM kernel chosen (``llm_worker.model.kernels``)
+with the measured times of every invariant candidate.
 """
 
 from __future__ import annotations
 
 import datetime
 import platform
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +42,13 @@ class Tally:
     accepted: int = 0
     outputs: int = 0
     identical: int = 0
+    prefill_seconds: float | None = 0.0  # None once an outcome did not report it
 
     def add(self, o: Outcome, identical: bool) -> None:
+        if self.prefill_seconds is not None and o.prefill_seconds is not None:
+            self.prefill_seconds += o.prefill_seconds
+        else:
+            self.prefill_seconds = None
         self.new_tokens += len(o.token_ids)
         self.seconds += o.seconds
         self.forwards += o.target_forwards
@@ -45,6 +60,13 @@ class Tally:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first of each output over the seconds after the prefill."""
+        if self.prefill_seconds is None or self.seconds <= self.prefill_seconds:
+            return None
+        return (self.new_tokens - self.outputs) / (self.seconds - self.prefill_seconds)
 
     def summary(self, ar: Tally | None) -> dict[str, Any]:
         tps = self.tokens_per_second
@@ -71,9 +93,14 @@ class BenchResult:
 
     def to_json(self) -> dict[str, Any]:
         modes: dict[str, Any] = {}
-        ar = self.overall.get("ar")
+        primary_ar = self.overall.get("ar")
         for mode in self.modes:
+            ar = self.overall.get(reference_of(mode))
             entry = self.overall[mode].summary(ar)
+            if reference_of(mode) != "ar" and primary_ar is not None and primary_ar.tokens_per_second:
+                entry["speedup_vs_primary_ar"] = round(
+                    self.overall[mode].tokens_per_second / primary_ar.tokens_per_second, 3
+                )
             for base in ("hf-ar", "hf-pld"):
                 other = self.overall.get(base)
                 if other is not None and other.tokens_per_second and mode != base:
@@ -81,10 +108,48 @@ class BenchResult:
                         self.overall[mode].tokens_per_second / other.tokens_per_second, 3
                     )
             entry["per_category"] = {
-                cat: tallies[mode].summary(tallies.get("ar")) for cat, tallies in self.per_category.items()
+                cat: tallies[mode].summary(tallies.get(reference_of(mode)))
+                for cat, tallies in self.per_category.items()
             }
             modes[mode] = entry
         return {"modes": modes, "machine": self.machine, "config": self.config}
+
+
+def reference_of(mode: str) -> str:
+    """The ``ar`` a mode is compared with: ``pld@bfloat16`` → ``ar@bfloat16``, ``pld`` → ``ar``."""
+    _, at, dtype = mode.partition("@")
+    return f"ar@{dtype}" if at else "ar"
+
+
+def measure_read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second this process reads from memory: the best of ``repeats`` sums of a float32
+    array far larger than the caches, with torch's threads (what a decode step has)."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first touches the pages
+        begin = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - begin)
+    return x.numel() * 4 / best
+
+
+def dtype_info(engine: Engine, bandwidth: float) -> dict[str, Any]:
+    """What bounds one engine's decoding: its weight bytes per forward and the kernel choice."""
+    target = engine.target
+    out: dict[str, Any] = {"backend": target.info.backend}
+    weight_bytes = getattr(target, "weight_bytes", None)
+    if callable(weight_bytes):
+        nbytes = int(weight_bytes())
+        out["weight_bytes"] = nbytes
+        out["bandwidth_limit_tokens_per_second"] = round(bandwidth / nbytes, 2)
+    chosen = getattr(target, "kernels", None)
+    if chosen is not None:
+        out["gemm_kernels"] = {role: k.name for role, k in chosen.items()}
+        out["attention_chunk"] = getattr(target, "chunk", None)
+    report = getattr(target, "kernel_report", None)
+    if report is not None:
+        out["gemm_kernel_candidates"] = report.to_json()
+    return out
 
 
 def machine_info(engine: Engine) -> dict[str, Any]:
@@ -119,6 +184,26 @@ def machine_info(engine: Engine) -> dict[str, Any]:
     }
 
 
+def _limits(result: BenchResult, engines: Mapping[str, Engine]) -> None:
+    """``ar``'s tokens/s (the suite's, prefill included, and decode alone) as fractions of each
+    dtype's bandwidth limit; bfloat16 ``ar`` vs float32 ``ar``."""
+    machine = result.machine
+    for suffix, engine in engines.items():
+        info = machine["dtypes"][engine.target.info.dtype]
+        limit = info.get("bandwidth_limit_tokens_per_second")
+        tally = result.overall.get("ar" + suffix)
+        if tally is None or not limit:
+            continue
+        decode = tally.decode_tokens_per_second
+        info["ar_tokens_per_second"] = round(tally.tokens_per_second, 3)
+        info["ar_fraction_of_bandwidth_limit"] = round(tally.tokens_per_second / limit, 3)
+        if decode is not None:
+            info["ar_decode_tokens_per_second"] = round(decode, 3)
+            info["ar_decode_fraction_of_bandwidth_limit"] = round(decode / limit, 3)
+    primary = machine["dtypes"].get(machine["dtype"], {})
+    machine["ar_fraction_of_bandwidth_limit"] = primary.get("ar_fraction_of_bandwidth_limit")
+
+
 def run_bench(
     engine: Engine,
     tokenizer: Any,
@@ -126,29 +211,54 @@ def run_bench(
     modes: Sequence[str],
     max_new_tokens: int,
     progress: Callable[[str], None] | None = None,
+    others: Sequence[Engine] = (),
 ) -> BenchResult:
     modes = list(dict.fromkeys(["ar", *modes]))  # ar is the reference: always run, always first in reports
     runners = make_runners(engine, modes)
-    result = BenchResult(modes)
+    engines = {"": engine}
+    all_modes = list(modes)
+    for other in others:
+        suffix = "@" + other.target.info.dtype
+        own = [m for m in modes if not m.startswith("hf-")]
+        runners.update(make_runners(other, own, suffix))
+        engines[suffix] = other
+        all_modes += [m + suffix for m in own]
+    result = BenchResult(all_modes)
     result.machine = machine_info(engine)  # also measures the cost curve before any timing
-    result.config = {"max_new_tokens": max_new_tokens, "questions": len(questions), "modes": modes}
+    for other in others:
+        other.cost_curve  # noqa: B018  # measured (or read) before any timing
+    bandwidth = measure_read_bandwidth()
+    result.machine["memory_read_gb_per_s"] = round(bandwidth / 1e9, 2)
+    result.machine["dtypes"] = {e.target.info.dtype: dtype_info(e, bandwidth) for e in engines.values()}
+    result.config = {"max_new_tokens": max_new_tokens, "questions": len(questions), "modes": all_modes}
     _warm_up(runners, tokenizer)
-    for mode in modes:
+    for mode in all_modes:
         result.overall[mode] = Tally()
+    same_as_primary_ar = {suffix: [0, 0] for suffix in engines if suffix}  # [identical, outputs]
     for qi, question in enumerate(questions):
-        shift = qi % len(modes)
-        order = modes[shift:] + modes[:shift]
+        shift = qi % len(all_modes)
+        order = all_modes[shift:] + all_modes[:shift]
         outputs: dict[str, list[Outcome]] = {
             mode: _run_turns(runners[mode], tokenizer, question, max_new_tokens) for mode in order
         }
-        cat = result.per_category.setdefault(question.category, {m: Tally() for m in modes})
-        for mode in modes:
+        cat = result.per_category.setdefault(question.category, {m: Tally() for m in all_modes})
+        for mode in all_modes:
             for turn, outcome in enumerate(outputs[mode]):
-                same = outcome.token_ids == outputs["ar"][turn].token_ids
+                same = outcome.token_ids == outputs[reference_of(mode)][turn].token_ids
                 result.overall[mode].add(outcome, same)
                 cat[mode].add(outcome, same)
+        for suffix, counts in same_as_primary_ar.items():
+            for turn, outcome in enumerate(outputs["ar" + suffix]):
+                counts[0] += outcome.token_ids == outputs["ar"][turn].token_ids
+                counts[1] += 1
         if progress is not None:
             progress(f"[{qi + 1}/{len(questions)}] {question.question_id}")
+    _limits(result, engines)
+    primary = engine.target.info.dtype
+    result.machine["dtype_comparison"] = {
+        suffix[1:]: {f"ar_outputs_identical_to_{primary}_ar": same, "outputs": total}
+        for suffix, (same, total) in same_as_primary_ar.items()
+    }
     return result
 
 

@@ -31,6 +31,7 @@ class Outcome:
     target_forwards: int
     drafted: int = 0
     accepted: int = 0
+    prefill_seconds: float | None = None  # None: not known (transformers' generate)
 
 
 Runner = Callable[[list[int], int], Outcome]
@@ -40,7 +41,14 @@ def engine_runner(engine: Engine, mode: str) -> Runner:
     def run(prompt: list[int], max_new: int) -> Outcome:
         res = engine.generate(GenerationRequest(tuple(prompt), max_new, mode, SamplingParams()))
         s = res.stats
-        return Outcome(res.token_ids, s.seconds, s.target_forwards, s.drafted_tokens, s.accepted_tokens)
+        return Outcome(
+            res.token_ids,
+            s.seconds,
+            s.target_forwards,
+            s.drafted_tokens,
+            s.accepted_tokens,
+            s.prefill_seconds,
+        )
 
     return run
 
@@ -83,17 +91,19 @@ def hf_runner(model: Any, eos_ids: tuple[int, ...], prompt_lookup: int | None) -
     return run
 
 
-def make_runners(engine: Engine, modes: list[str]) -> dict[str, Runner]:
-    """A runner per mode name; ``hf-*`` names need the fast or hf target's transformers model."""
+def make_runners(engine: Engine, modes: list[str], suffix: str = "") -> dict[str, Runner]:
+    """A runner per mode name (keyed ``mode + suffix``); ``hf-*`` names need the fast or hf
+    target's transformers model."""
     runners: dict[str, Runner] = {}
     model = getattr(engine.target, "model", None)
     for mode in modes:
+        key = mode + suffix
         if mode in ("hf-ar", "hf-pld"):
             if model is None:
                 raise ValueError(f"{mode} needs a transformers model behind the target")
             lookup = HF_PLD_TOKENS if mode == "hf-pld" else None
-            runners[mode] = hf_runner(model, engine.target.info.eos_token_ids, lookup)
+            runners[key] = hf_runner(model, engine.target.info.eos_token_ids, lookup)
         else:
             engine.runtime(mode)  # fail early on unknown / unavailable modes
-            runners[mode] = engine_runner(engine, mode)
+            runners[key] = engine_runner(engine, mode)
     return runners

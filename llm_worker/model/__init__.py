@@ -36,7 +36,7 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
             report = kernels.load_or_measure(
                 info.fingerprint, weights, head, info.num_layers, torch.device(cfg.device), model.dtype
             )
-            kernel = Kernel.parse(report.chosen)
+            chosen = report.kernels()
         else:
             kernel = Kernel.parse(cfg.kernel)
             if kernel.library == "onednn" and not kernels.onednn_available(
@@ -45,7 +45,8 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
                 raise ValueError(
                     f"kernel {cfg.kernel!r}: oneDNN prepacking is not available for this device/dtype"
                 )
-        return FastLlamaTarget(model, info, kernel, cfg.attention_chunk, report)
+            chosen = dict.fromkeys(kernels.ROLES, kernel)
+        return FastLlamaTarget(model, info, chosen, cfg.attention_chunk, report)
     return HFTarget(model, info)
 
 

@@ -29,14 +29,14 @@ the context), qwen2 (q/k/v biases).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from llm_worker.model.kernels import Kernel, KernelReport, Linear
+from llm_worker.model.kernels import ROLES, Kernel, KernelReport, Linear
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetInfo, TargetModel
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
@@ -108,7 +108,7 @@ class FastLlamaTarget(TargetModel):
         self,
         model: Any,
         info: TargetInfo,
-        kernel: Kernel | None = None,
+        gemm_kernels: Mapping[str, Kernel] | None = None,
         attention_chunk: int = ATTENTION_CHUNK,
         report: KernelReport | None = None,
     ) -> None:
@@ -123,7 +123,12 @@ class FastLlamaTarget(TargetModel):
         cfg = model.config
         self.eps = float(cfg.rms_norm_eps)
         self.dtype = model.get_input_embeddings().weight.dtype
-        self.kernel = kernel or Kernel("aten", 1)
+        # RoPE, the KV cache and attention run in float32 on CPU whatever the weights' dtype: CPU
+        # bfloat16 matmuls of attention's small shapes are ~3x slower than float32 ones here, and
+        # float32 keeps the softmax exact to more bits (flash attention accumulates in float32 too).
+        self.attn_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.kernels = dict(gemm_kernels or dict.fromkeys(ROLES, Kernel("aten", 1)))  # role -> kernel
+        self.min_rows = min(k.min_rows for k in self.kernels.values())  # the forward pads to this
         self.kernel_report = report
         self.chunk = attention_chunk
         inner = model.model
@@ -132,11 +137,13 @@ class FastLlamaTarget(TargetModel):
         # cos/sin of every position, computed once by the model's own rotary embedding: a
         # position's values never depend on which other positions share its forward.
         positions = torch.arange(info.max_context, device=self.device)[None]
-        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        probe = torch.zeros(1, dtype=self.attn_dtype, device=self.device)
         cos, sin = inner.rotary_emb(probe, positions)
-        self.cos, self.sin = cos[0], sin[0]  # [max_context, head_dim]
+        half = info.head_dim // 2
+        self.cos = cos[0]  # [max_context, head_dim]
+        self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [max_context, head_dim]
         head = model.lm_head
-        self.lm_head = Linear(head.weight.detach(), head.bias, self.kernel)
+        self.lm_head = Linear(head.weight.detach(), head.bias, self.kernels["lm_head"])
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -145,11 +152,11 @@ class FastLlamaTarget(TargetModel):
             self.layers.append(
                 _Layer(
                     ln_attn=layer.input_layernorm.weight.detach(),
-                    qkv=Linear(_fuse(qkv), _fuse_bias(qkv), self.kernel),
-                    o=Linear(attn.o_proj.weight.detach(), o_bias, self.kernel),
+                    qkv=Linear(_fuse(qkv), _fuse_bias(qkv), self.kernels["qkv"]),
+                    o=Linear(attn.o_proj.weight.detach(), o_bias, self.kernels["o"]),
                     ln_mlp=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=Linear(_fuse([mlp.gate_proj, mlp.up_proj]), None, self.kernel),
-                    down=Linear(mlp.down_proj.weight.detach(), None, self.kernel),
+                    gate_up=Linear(_fuse([mlp.gate_proj, mlp.up_proj]), None, self.kernels["gate_up"]),
+                    down=Linear(mlp.down_proj.weight.detach(), None, self.kernels["down"]),
                 )
             )
 
@@ -176,7 +183,8 @@ class FastLlamaTarget(TargetModel):
 
     @property
     def kernel_variant(self) -> str:
-        return f"-{self.kernel.library}{self.kernel.min_rows}-c{self.chunk}"
+        names = ",".join(f"{k.library}{k.min_rows}" for k in self.kernels.values())
+        return f"-{names}-c{self.chunk}"
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads (every layer, the final norm and the LM head)."""
@@ -198,9 +206,9 @@ class FastLlamaTarget(TargetModel):
         column is 1 (the attention's softmax denominator, see ``_attention``)."""
         i = self.info
         shape = (i.num_layers, 1, i.num_kv_heads, capacity, i.head_dim)
-        values = torch.zeros((*shape[:-1], i.head_dim + 1), dtype=self.dtype, device=self.device)
+        values = torch.zeros((*shape[:-1], i.head_dim + 1), dtype=self.attn_dtype, device=self.device)
         values[..., -1] = 1
-        return torch.zeros(shape, dtype=self.dtype, device=self.device), values
+        return torch.zeros(shape, dtype=self.attn_dtype, device=self.device), values
 
     def _reserve(self, state: _KVState, needed: int) -> None:
         """Capacity for ``needed`` positions, rounded up to the attention's key chunks (a multiple
@@ -244,58 +252,61 @@ class FastLlamaTarget(TargetModel):
         return F.rms_norm(x, weight.shape, weight, self.eps)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE of x [n, heads, d] with cos/sin [n, 1, d]."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """RoPE of x [n, heads, d] with cos and sign-folded sin [n, 1, d] (``_rope_tables``):
+        x·cos + (x2, x1)·(−sin1, sin2) = transformers' x·cos + (−x2, x1)·sin, the negation moved
+        into the table (exact)."""
+        n, heads, d = x.shape
+        swapped = x.view(n, heads, 2, d // 2).flip(2).view(n, heads, d)  # (x2, x1)
+        return x * cos + swapped * sin_signed
 
     def _attention(
         self,
         q: torch.Tensor,  # [n, heads, d] post-RoPE queries
         keys: torch.Tensor,  # [kv, capacity, d] this layer's cache, the new rows written
         values: torch.Tensor,  # [kv, capacity, d + 1] values, then a column of ones
-        blocked: torch.Tensor,  # [n, T] bool: True where the query row may not see the key
+        bias: torch.Tensor,  # [group · n, T] 0 where the query row may see the key, −inf elsewhere
     ) -> torch.Tensor:
         """Attention over the first T = chunks · C cached keys, row by row invariant: [n, heads · d].
 
-        Scores are one GEMM over the head dimension; exp(score − row max) is elementwise (the max
-        is exact in any order); then one GEMM per key chunk of C keys multiplies the weights by the
-        values *and* by the ones column, so the numerator and the softmax denominator come out of
-        the same sequential reduction over the chunk's keys, in which a blocked key (weight
-        exactly 0) is a no-op wherever it sits. The chunks are summed in order and the numerator
-        divided by the denominator. A query's result depends only on its own visible keys and the
-        chunk each falls in: more rows in the forward add blocked keys and all-zero chunks only.
-        Query head h reads KV head h // group (transformers' ``repeat_kv``).
+        Scores are one GEMM over the head dimension (scaled, the mask added, in the same call);
+        exp(score − row max) is elementwise (the max is exact in any order); then one GEMM per key
+        chunk of C keys multiplies the weights by the values *and* by the ones column, so the
+        numerator and the softmax denominator come out of the same sequential reduction over the
+        chunk's keys, in which a blocked key (weight exactly 0) is a no-op wherever it sits. The
+        chunks accumulate in order and the numerator is divided by the denominator. A query's
+        result depends only on its own visible keys and the chunk each falls in: more rows in the
+        forward add blocked keys and all-zero chunks only. Query head h reads KV head h // group
+        (transformers' ``repeat_kv``).
         """
         n, heads, d = q.shape
         kv = keys.shape[0]
-        group, t = heads // kv, blocked.shape[1]
-        chunks = t // self.chunk
+        group, t = heads // kv, bias.shape[1]
+        c = self.chunk
         qg = q.view(n, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * n, d)  # [kv, group·n, d]
-        scores = torch.matmul(qg, keys[:, :t].transpose(1, 2)).float()  # [kv, group·n, T]
-        scores = scores.view(kv, group, n, t).mul_(1.0 / math.sqrt(d)).masked_fill_(blocked, float("-inf"))
-        weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(values.dtype)  # [kv, group, n, T]
-        weights = weights.view(kv, group * n, chunks, self.chunk).transpose(1, 2)  # [kv, chunks, group·n, C]
-        parts = torch.matmul(weights, values[:, :t].view(kv, chunks, self.chunk, d + 1))  # [.., d + 1]
-        total = parts.float().sum(1)  # [kv, group·n, d + 1]
-        out = (total[..., :d] / total[..., d:]).to(values.dtype)
+        scores = torch.baddbmm(bias, qg, keys[:, :t].transpose(1, 2), alpha=1.0 / math.sqrt(d))
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # [kv, group·n, T]
+        total = torch.bmm(weights[:, :, :c], values[:, :c])  # [kv, group·n, d + 1]
+        for start in range(c, t, c):
+            total = torch.baddbmm(total, weights[:, :, start : start + c], values[:, start : start + c])
+        out = total[..., :d] / total[..., d:]
         return out.view(kv, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
-    def _blocked(self, start: int, n: int, tree: TreeBuffers | None) -> torch.Tensor:
-        """[n, T] bool, True where row i may not look: keys at or past the end of what it sees.
+    def _bias(self, start: int, n: int, tree: TreeBuffers | None) -> torch.Tensor:
+        """[n, T] additive mask: 0 where row i may look, −inf elsewhere.
 
         Row i sees the committed prefix and, among the new rows, its tree ancestors and itself
         (a chain: rows 0..i). T is the end of the new rows rounded up to whole key chunks."""
         end = start + n
         t = -(-end // self.chunk) * self.chunk
-        blocked = torch.ones(n, t, dtype=torch.bool, device=self.device)
-        blocked[:, :start] = False
+        allowed = torch.zeros(n, t, dtype=torch.bool, device=self.device)
+        allowed[:, :start] = True
         if tree is not None:
-            blocked[:, start:end] = ~tree.mask.to(self.device)
+            allowed[:, start:end] = tree.mask.to(self.device)
         else:
-            blocked[:, start:end] = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1)
-        return blocked
+            allowed[:, start:end] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        bias = torch.zeros(n, t, dtype=self.attn_dtype, device=self.device)
+        return bias.masked_fill_(~allowed, float("-inf"))
 
     def forward(
         self,
@@ -320,34 +331,27 @@ class FastLlamaTarget(TargetModel):
         heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
 
         positions = (offsets + start).to(self.device)  # [n]
-        blocked = self._blocked(start, n, tree)  # [n, T]
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [n, 1, d]
+        bias = self._bias(start, n, tree).repeat(heads // kv_heads, 1)  # [group · n, T], rows as in qg
         tokens = tokens.to(self.device)
-        pad = self.kernel.min_rows - n
-        if pad > 0:
-            # Fewer rows than the kernel's minimum: pad once here rather than in every GEMM. The pad
-            # rows (token 0 at the last position, seeing key 0 alone) are computed and dropped; their
-            # K/V land past ``end``, where no real row looks.
-            self._reserve(state, end + pad)
-            tokens = torch.cat((tokens, tokens.new_zeros(pad)))
-            positions = torch.cat((positions, positions[-1:].expand(pad)))
-            pad_rows = torch.ones(pad, blocked.shape[1], dtype=torch.bool, device=self.device)
-            pad_rows[:, 0] = False
-            blocked = torch.cat((blocked, pad_rows))
-            n, end = n + pad, end + pad
-        real = n - max(pad, 0)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [n, 1, d]
+        # Fewer rows than the GEMM kernels' smallest minimum: zero rows are added to the embeddings
+        # once here rather than in every GEMM, and dropped around attention (nothing reads them).
+        # A GEMM whose kernel needs more rows still pads its own input (``Linear``).
+        pad = max(0, self.min_rows - n)
         h = self.embed(tokens)  # [n, hidden]
+        if pad:
+            h = F.pad(h, (0, 0, 0, pad))  # [n + pad, hidden]
 
         wanted_heads: dict[int, list[int]] = {}
         for layer_index, head in needs.query_heads:
             wanted_heads.setdefault(layer_index, []).append(head)
         out = ForwardOutput(logits=torch.empty(0))
         if 0 in needs.hidden_layers:
-            out.hidden[0] = h[:real]
+            out.hidden[0] = h[:n]
 
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rms(h, layer.ln_attn))  # [n, (heads + 2 kv) * head_dim]
+            qkv = layer.qkv(self._rms(h, layer.ln_attn))[:n].to(self.attn_dtype)  # [n, (heads + 2 kv) * d]
             qk = self._rotate(qkv[:, : q_size + kv_size].view(n, heads + kv_heads, head_dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]  # [n, heads, d], [n, kv, d]
             v = qkv[:, q_size + kv_size :].view(n, kv_heads, head_dim)
@@ -355,13 +359,14 @@ class FastLlamaTarget(TargetModel):
             keys[:, start:end] = k.transpose(0, 1)
             values[:, start:end, :head_dim] = v.transpose(0, 1)
             for head in wanted_heads.get(index, ()):
-                out.queries[(index, head)] = q[:real, head]
-            h = h + layer.o(self._attention(q, keys, values, blocked))
+                out.queries[(index, head)] = q[:, head]
+            attn = self._attention(q, keys, values, bias).to(self.dtype)  # [n, heads · d]
+            h = h + layer.o(F.pad(attn, (0, 0, 0, pad)) if pad else attn)
             gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
             if index + 1 in needs.hidden_layers and index + 1 < len(self.layers):
-                out.hidden[index + 1] = h[:real]
-        h = self._rms(h[:real], self.norm)
+                out.hidden[index + 1] = h[:n]
+        h = self._rms(h[:n], self.norm)
         if len(self.layers) in needs.hidden_layers:  # the last layer's state after the final norm
             out.hidden[len(self.layers)] = h
         if last_logits_only:

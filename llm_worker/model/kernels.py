@@ -15,9 +15,11 @@ engine uses, at the first and the last position, with the model's own weight sha
 the fastest invariant one is used. The verdicts and times are cached per model, dtype, device,
 thread count and torch version, next to the cost curve, and reported by ``specdraft bench``.
 
-Example: candidates ``aten:1`` (not invariant), ``onednn:2`` (invariant, 20 ms per token) and
-``onednn:4`` (invariant, 18 ms) → ``onednn:4``: a 1-row decode computes 3 zero rows too, and is
-still the fastest.
+Each GEMM of the forward (qkv, o, gate_up, down, lm_head: its own weight shape) gets its own
+choice: invariance is a property of one weight's products, so different roles may use different
+kernels. Example: for the qkv weight, candidates ``aten:1`` (not invariant), ``onednn:2``
+(invariant, 20 ms per token) and ``onednn:4`` (invariant, 18 ms) → ``onednn:4``: a 1-row decode
+multiplies 3 zero rows too, and is still the fastest.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,34 +71,47 @@ class Kernel:
         return Kernel(library, int(rows))
 
 
+ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+"""The GEMMs of a forward, each with its own weight shape and its own kernel choice."""
+
+
 @dataclass
 class KernelReport:
-    """What was measured: the chosen kernel and, per candidate, invariance and times."""
+    """What was measured, per GEMM role: the chosen kernel, each candidate's invariance, and the
+    invariant candidates' seconds per forward (a layer role's time counts all layers)."""
 
-    chosen: str
-    invariant: dict[str, bool] = field(default_factory=dict)
-    seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # kernel -> rows -> s per forward
+    chosen: dict[str, str]  # role -> kernel name
+    invariant: dict[str, dict[str, bool]] = field(default_factory=dict)  # role -> kernel -> verdict
+    seconds: dict[str, dict[str, dict[int, float]]] = field(
+        default_factory=dict
+    )  # role -> kernel -> rows -> s
     measured: bool = True
+
+    def kernels(self) -> dict[str, Kernel]:
+        return {role: Kernel.parse(name) for role, name in self.chosen.items()}
 
     def to_json(self) -> dict[str, object]:
         return {
+            "format": 2,
             "chosen": self.chosen,
             "invariant": self.invariant,
-            "ms_per_forward_gemms": {
-                k: {str(n): round(1000 * s, 3) for n, s in v.items()} for k, v in self.seconds.items()
+            "ms_per_forward": {
+                role: {k: {str(n): round(1000 * t, 3) for n, t in v.items()} for k, v in by_kernel.items()}
+                for role, by_kernel in self.seconds.items()
             },
         }
 
     @staticmethod
-    def from_json(data: Mapping[str, object]) -> KernelReport:
-        times = data["ms_per_forward_gemms"]
-        assert isinstance(times, dict)
-        invariant = data["invariant"]
-        assert isinstance(invariant, dict)
+    def from_json(data: Mapping[str, Any]) -> KernelReport:
+        if data.get("format") != 2 or set(data["chosen"]) != set(ROLES):
+            raise ValueError("another format")
         return KernelReport(
-            chosen=str(data["chosen"]),
-            invariant={str(k): bool(v) for k, v in invariant.items()},
-            seconds={str(k): {int(n): float(ms) / 1000 for n, ms in v.items()} for k, v in times.items()},
+            chosen={str(r): str(k) for r, k in data["chosen"].items()},
+            invariant={str(r): {str(k): bool(v) for k, v in d.items()} for r, d in data["invariant"].items()},
+            seconds={
+                str(r): {str(k): {int(n): float(ms) / 1000 for n, ms in v.items()} for k, v in d.items()}
+                for r, d in data["ms_per_forward"].items()
+            },
         )
 
 
@@ -188,46 +204,41 @@ def measure(
     dtype: torch.dtype,
     repeats: int = 3,
 ) -> KernelReport:
-    """Check and time every candidate on one layer's weights (timed as ``num_layers`` layers) and
-    the LM head. Inputs are random, scaled like normalised activations."""
+    """Check and time every candidate for each GEMM role: one layer's weights (``layer_weights``:
+    qkv, o, gate_up, down; timed as ``num_layers`` layers) and the LM head. Inputs are random,
+    scaled like normalised activations."""
     gen = torch.Generator().manual_seed(0)
-    shapes = [*layer_weights, (head, None)]
-
-    def rand(rows: int, width: int) -> torch.Tensor:
-        return torch.randn(rows, width, generator=gen).to(device=device, dtype=dtype)
-
-    check_inputs = [rand(max(CHECK_ROWS), w.shape[1]) for w, _ in shapes]
-    invariant: dict[str, bool] = {}
-    seconds: dict[str, dict[int, float]] = {}
-    for kernel in candidates(device, dtype):
-        linears = [Linear(w, b, kernel) for w, b in shapes]
-        ok = True
-        for index, (lin, x) in enumerate(zip(linears, check_inputs, strict=True)):
-            rows = CHECK_ROWS if index < len(linears) - 1 else [m for m in CHECK_ROWS if m <= 128]
-            if not is_invariant(lin, x, rows):
-                ok = False
-                break
-        invariant[kernel.name] = ok
-        if not ok:
-            continue
-        per_rows: dict[int, float] = {}
-        for n in TIME_ROWS:
-            gemms = [*linears[:-1] * num_layers, linears[-1]]
-            inputs = [x[:n] for x in check_inputs[:-1]] * num_layers + [check_inputs[-1][:n]]
-            per_rows[n] = time_forward(gemms, inputs, repeats)
-        seconds[kernel.name] = per_rows
-    chosen = choose(invariant, seconds)
-    if chosen is None:
-        fallback = candidates(device, dtype)[-1]
-        log.error(
-            "no batch-invariant GEMM kernel on this machine (%s, %s): tokens may differ between modes; "
-            "using %s",
-            device,
-            dtype,
-            fallback.name,
-        )
-        chosen = fallback.name
-    return KernelReport(chosen, invariant, seconds)
+    shapes = dict(zip(ROLES, [*layer_weights, (head, None)], strict=True))
+    report = KernelReport(chosen={})
+    for role, (weight, bias) in shapes.items():
+        x = torch.randn(max(CHECK_ROWS), weight.shape[1], generator=gen).to(device=device, dtype=dtype)
+        rows = CHECK_ROWS if role != "lm_head" else [m for m in CHECK_ROWS if m <= 128]
+        repeat = 1 if role == "lm_head" else num_layers
+        invariant: dict[str, bool] = {}
+        seconds: dict[str, dict[int, float]] = {}
+        for kernel in candidates(device, dtype):
+            lin = Linear(weight, bias, kernel)
+            invariant[kernel.name] = is_invariant(lin, x, rows)
+            if invariant[kernel.name]:
+                seconds[kernel.name] = {
+                    n: time_forward([lin] * repeat, [x[:n]] * repeat, repeats) for n in TIME_ROWS
+                }
+        chosen = choose(invariant, seconds)
+        if chosen is None:
+            chosen = candidates(device, dtype)[-1].name
+            log.error(
+                "no batch-invariant GEMM kernel for %s %s on this machine (%s, %s): tokens may differ "
+                "between modes; using %s",
+                role,
+                tuple(weight.shape),
+                device,
+                dtype,
+                chosen,
+            )
+        report.chosen[role] = chosen
+        report.invariant[role] = invariant
+        report.seconds[role] = seconds
+    return report
 
 
 def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
@@ -250,7 +261,7 @@ def load_or_measure(
             report = KernelReport.from_json(json.loads(path.read_text()))
             report.measured = False
             return report
-        except (ValueError, KeyError, TypeError, AssertionError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("ignoring unreadable kernel choice %s: %s", path, exc)
     log.info("choosing GEMM kernels: checking batch invariance and timing (once per model, dtype, device)")
     with torch.inference_mode():
