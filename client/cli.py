@@ -75,6 +75,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "fast", "hf"],
         help="fast Llama-family forward or transformers'",
     )
+    g.add_argument(
+        "--kernel",
+        default="auto",
+        help="fast backend GEMM kernel, LIBRARY:MIN_ROWS (aten or onednn); auto: the fastest of those "
+        "checked batch-invariant on this machine",
+    )
 
 
 def _load_model(args: argparse.Namespace, backend: Literal["hf"] | None = None) -> tuple[Any, Any]:
@@ -91,6 +97,7 @@ def _load_model(args: argparse.Namespace, backend: Literal["hf"] | None = None) 
         device=args.device,
         threads=args.threads,
         backend=backend or args.backend,
+        kernel=args.kernel,
     )
     try:
         return load_target(cfg)
@@ -792,7 +799,7 @@ def _stack_dir(args: argparse.Namespace) -> Path:
 
 def _worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str]:
     """The model options of this command, as ``specdraft serve worker`` arguments."""
-    out = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend]
+    out = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend, "--kernel", args.kernel]
     out += ["--model", args.model] if args.model else []
     return out + (["--threads", str(threads)] if threads else [])
 

@@ -229,8 +229,9 @@ def test_measure_checks_invariance_and_times_only_invariant_candidates(monkeypat
         kernels, "time_forward", lambda gemms, inputs, repeats: fake[gemms[0][1].name] * len(gemms)
     )
     w, narrow = torch.zeros(8, 4), torch.zeros(4, 3)
-    layer = [(w, None), (w, None), (w, None), (narrow, None)]
-    report = kernels.measure(layer, torch.zeros(16, 4), 2, torch.device("cpu"), torch.float32)
+    weights = {"qkv": [(w, None)] * 2, "o": [(w, None)] * 2, "gate_up": [(w, None)] * 2}
+    weights |= {"down": [(narrow, None)] * 2, "lm_head": [(torch.zeros(16, 4), None)]}
+    report = kernels.measure(weights, torch.device("cpu"), torch.float32)
     assert report.invariant["qkv"] == {"aten:1": False, "onednn:2": True, "onednn:4": True}
     assert set(report.seconds["qkv"]) == {"onednn:2", "onednn:4"}
     assert report.chosen == {
@@ -251,7 +252,7 @@ def test_kernel_choice_is_cached_and_a_corrupt_cache_is_remeasured(tmp_path, mon
         return KernelReport(dict(chosen), {r: {"aten:4": True} for r in chosen}, {})
 
     monkeypatch.setattr(kernels, "measure", fake_measure)
-    args = ("fp", [], torch.zeros(1, 1), 1, torch.device("cpu"), torch.float32)
+    args = ("fp", {}, torch.device("cpu"), torch.float32)
     assert kernels.load_or_measure(*args).chosen == chosen
     again = kernels.load_or_measure(*args)
     assert (again.chosen, again.measured, len(calls)) == (chosen, False, 1)

@@ -11,7 +11,7 @@ import torch
 
 from llm_worker.config import ModelConfig
 from llm_worker.model import kernels
-from llm_worker.model.fast_llama import FastLlamaTarget, unsupported_reason
+from llm_worker.model.fast_llama import FastLlamaTarget, KernelChooser, unsupported_reason
 from llm_worker.model.kernels import Kernel
 from llm_worker.model.loading import MARKER, resolve_model_dir, torch_dtype
 from llm_worker.model.target import HFTarget, TargetModel, describe
@@ -30,13 +30,15 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
         log.info("fast backend unavailable (%s); using the transformers forward", reason)
     info = describe(model, tokenizer, cfg.dtype, cfg.device, backend, cfg.max_context)
     if backend == "fast":
-        report = None
+        chosen: dict[str, Kernel] | KernelChooser
         if cfg.kernel == "auto":
-            weights, head = FastLlamaTarget.gemm_shapes(model)
-            report = kernels.load_or_measure(
-                info.fingerprint, weights, head, info.num_layers, torch.device(cfg.device), model.dtype
-            )
-            chosen = report.kernels()
+
+            def chosen(weights: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]):  # type: ignore[no-redef]
+                report = kernels.load_or_measure(
+                    info.fingerprint, weights, torch.device(cfg.device), model.dtype
+                )
+                return report.kernels(), report
+
         else:
             kernel = Kernel.parse(cfg.kernel)
             if kernel.library == "onednn" and not kernels.onednn_available(
@@ -46,7 +48,7 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
                     f"kernel {cfg.kernel!r}: oneDNN prepacking is not available for this device/dtype"
                 )
             chosen = dict.fromkeys(kernels.ROLES, kernel)
-        return FastLlamaTarget(model, info, chosen, cfg.attention_chunk, report)
+        return FastLlamaTarget(model, info, chosen, cfg.attention_chunk)
     return HFTarget(model, info)
 
 

@@ -29,7 +29,7 @@ the context), qwen2 (q/k/v biases).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,13 @@ from llm_worker.verify.tree import TreeBuffers
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _GROW = 512  # KV capacity grows in steps of this many positions
 ATTENTION_CHUNK = 256  # keys per reduction chunk of the attention (divides _GROW)
+
+KernelChooser = Callable[
+    [dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]],
+    tuple[Mapping[str, Kernel], KernelReport | None],
+]
+"""Given every GEMM role's weights (one per layer, as the forward multiplies them): the kernel of
+each role, and what was measured to choose them."""
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -108,7 +115,7 @@ class FastLlamaTarget(TargetModel):
         self,
         model: Any,
         info: TargetInfo,
-        gemm_kernels: Mapping[str, Kernel] | None = None,
+        gemm_kernels: Mapping[str, Kernel] | KernelChooser | None = None,
         attention_chunk: int = ATTENTION_CHUNK,
         report: KernelReport | None = None,
     ) -> None:
@@ -127,9 +134,6 @@ class FastLlamaTarget(TargetModel):
         # bfloat16 matmuls of attention's small shapes are ~3x slower than float32 ones here, and
         # float32 keeps the softmax exact to more bits (flash attention accumulates in float32 too).
         self.attn_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        self.kernels = dict(gemm_kernels or dict.fromkeys(ROLES, Kernel("aten", 1)))  # role -> kernel
-        self.min_rows = min(k.min_rows for k in self.kernels.values())  # the forward pads to this
-        self.kernel_report = report
         self.chunk = attention_chunk
         inner = model.model
         self.embed = inner.embed_tokens
@@ -143,39 +147,33 @@ class FastLlamaTarget(TargetModel):
         self.cos = cos[0]  # [max_context, head_dim]
         self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [max_context, head_dim]
         head = model.lm_head
-        self.lm_head = Linear(head.weight.detach(), head.bias, self.kernels["lm_head"])
-        self.layers = []
-        for layer in inner.layers:
+        weights: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {role: [] for role in ROLES}
+        for layer in inner.layers:  # q/k/v and gate/up fused: the GEMMs the forward runs
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            weights["qkv"].append((_fuse(qkv), _fuse_bias(qkv)))
             o_bias = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
-            self.layers.append(
-                _Layer(
-                    ln_attn=layer.input_layernorm.weight.detach(),
-                    qkv=Linear(_fuse(qkv), _fuse_bias(qkv), self.kernels["qkv"]),
-                    o=Linear(attn.o_proj.weight.detach(), o_bias, self.kernels["o"]),
-                    ln_mlp=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=Linear(_fuse([mlp.gate_proj, mlp.up_proj]), None, self.kernels["gate_up"]),
-                    down=Linear(mlp.down_proj.weight.detach(), None, self.kernels["down"]),
-                )
+            weights["o"].append((attn.o_proj.weight.detach(), o_bias))
+            weights["gate_up"].append((_fuse([mlp.gate_proj, mlp.up_proj]), None))
+            weights["down"].append((mlp.down_proj.weight.detach(), None))
+        weights["lm_head"].append((head.weight.detach(), head.bias))
+        if callable(gemm_kernels):
+            gemm_kernels, report = gemm_kernels(weights)
+        self.kernels = dict(gemm_kernels or dict.fromkeys(ROLES, Kernel("aten", 1)))  # role -> kernel
+        self.min_rows = min(k.min_rows for k in self.kernels.values())  # the forward pads to this
+        self.kernel_report = report
+        self.lm_head = Linear(*weights["lm_head"][0], self.kernels["lm_head"])
+        self.layers = [
+            _Layer(
+                ln_attn=layer.input_layernorm.weight.detach(),
+                qkv=Linear(*weights["qkv"][i], self.kernels["qkv"]),
+                o=Linear(*weights["o"][i], self.kernels["o"]),
+                ln_mlp=layer.post_attention_layernorm.weight.detach(),
+                gate_up=Linear(*weights["gate_up"][i], self.kernels["gate_up"]),
+                down=Linear(*weights["down"][i], self.kernels["down"]),
             )
-
-    @staticmethod
-    def gemm_shapes(model: Any) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor]:
-        """One layer's GEMM weights as the forward multiplies them (fused), and the LM head: what
-        the kernel choice checks and times."""
-        layer = model.model.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        fused_qkv = torch.cat([lin.weight.detach() for lin in qkv]).contiguous()
-        gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous()
-        weights = [
-            (fused_qkv, _fuse_bias(qkv)),
-            (attn.o_proj.weight.detach(), None if attn.o_proj.bias is None else attn.o_proj.bias.detach()),
-            (gate_up, None),
-            (mlp.down_proj.weight.detach(), None),
+            for i, layer in enumerate(inner.layers)
         ]
-        return weights, model.lm_head.weight.detach()
 
     @property
     def supports_queries(self) -> bool:
@@ -269,7 +267,7 @@ class FastLlamaTarget(TargetModel):
     ) -> torch.Tensor:
         """Attention over the first T = chunks · C cached keys, row by row invariant: [n, heads · d].
 
-        Scores are one GEMM over the head dimension (scaled, the mask added, in the same call);
+        Scores are one GEMM over the head dimension, then scaled and the mask added;
         exp(score − row max) is elementwise (the max is exact in any order); then one GEMM per key
         chunk of C keys multiplies the weights by the values *and* by the ones column, so the
         numerator and the softmax denominator come out of the same sequential reduction over the
@@ -284,11 +282,13 @@ class FastLlamaTarget(TargetModel):
         group, t = heads // kv, bias.shape[1]
         c = self.chunk
         qg = q.view(n, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * n, d)  # [kv, group·n, d]
-        scores = torch.baddbmm(bias, qg, keys[:, :t].transpose(1, 2), alpha=1.0 / math.sqrt(d))
-        weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # [kv, group·n, T]
+        scores = (
+            torch.bmm(qg, keys[:, :t].transpose(1, 2)).mul_(1.0 / math.sqrt(d)).add_(bias)
+        )  # [kv, g·n, T]
+        weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [kv, group·n, T]
         total = torch.bmm(weights[:, :, :c], values[:, :c])  # [kv, group·n, d + 1]
-        for start in range(c, t, c):
-            total = torch.baddbmm(total, weights[:, :, start : start + c], values[:, start : start + c])
+        for start in range(c, t, c):  # (a plain bmm and an add: baddbmm was 2x slower at these shapes)
+            total += torch.bmm(weights[:, :, start : start + c], values[:, start : start + c])
         out = total[..., :d] / total[..., d:]
         return out.view(kv, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 

@@ -92,7 +92,7 @@ class KernelReport:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "format": 2,
+            "format": 3,
             "chosen": self.chosen,
             "invariant": self.invariant,
             "ms_per_forward": {
@@ -103,7 +103,7 @@ class KernelReport:
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> KernelReport:
-        if data.get("format") != 2 or set(data["chosen"]) != set(ROLES):
+        if data.get("format") != 3 or set(data["chosen"]) != set(ROLES):
             raise ValueError("another format")
         return KernelReport(
             chosen={str(r): str(k) for r, k in data["chosen"].items()},
@@ -197,32 +197,33 @@ def choose(invariant: Mapping[str, bool], seconds: Mapping[str, Mapping[int, flo
 
 
 def measure(
-    layer_weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
-    head: torch.Tensor,
-    num_layers: int,
+    weights: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor | None]]],
     device: torch.device,
     dtype: torch.dtype,
     repeats: int = 3,
 ) -> KernelReport:
-    """Check and time every candidate for each GEMM role: one layer's weights (``layer_weights``:
-    qkv, o, gate_up, down; timed as ``num_layers`` layers) and the LM head. Inputs are random,
-    scaled like normalised activations."""
+    """Check and time every candidate for each GEMM role. ``weights``: role -> its weight (and
+    bias) in every layer, as the forward multiplies them. Invariance is checked on the first
+    (the shapes are the same in every layer); the time is one pass over all of them, as in a
+    forward, so that each weight is read from memory as it would be. Inputs are random, scaled
+    like normalised activations."""
     gen = torch.Generator().manual_seed(0)
-    shapes = dict(zip(ROLES, [*layer_weights, (head, None)], strict=True))
     report = KernelReport(chosen={})
-    for role, (weight, bias) in shapes.items():
+    for role in ROLES:
+        layers = weights[role]
+        weight = layers[0][0]
         x = torch.randn(max(CHECK_ROWS), weight.shape[1], generator=gen).to(device=device, dtype=dtype)
         rows = CHECK_ROWS if role != "lm_head" else [m for m in CHECK_ROWS if m <= 128]
-        repeat = 1 if role == "lm_head" else num_layers
         invariant: dict[str, bool] = {}
         seconds: dict[str, dict[int, float]] = {}
         for kernel in candidates(device, dtype):
-            lin = Linear(weight, bias, kernel)
-            invariant[kernel.name] = is_invariant(lin, x, rows)
+            invariant[kernel.name] = is_invariant(Linear(*layers[0], kernel), x, rows)
             if invariant[kernel.name]:
+                linears = [Linear(w, b, kernel) for w, b in layers]
                 seconds[kernel.name] = {
-                    n: time_forward([lin] * repeat, [x[:n]] * repeat, repeats) for n in TIME_ROWS
+                    n: time_forward(linears, [x[:n]] * len(linears), repeats) for n in TIME_ROWS
                 }
+                del linears
         chosen = choose(invariant, seconds)
         if chosen is None:
             chosen = candidates(device, dtype)[-1].name
@@ -248,9 +249,7 @@ def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
 
 def load_or_measure(
     fingerprint: str,
-    layer_weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
-    head: torch.Tensor,
-    num_layers: int,
+    weights: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor | None]]],
     device: torch.device,
     dtype: torch.dtype,
     use_cache: bool = True,
@@ -265,7 +264,7 @@ def load_or_measure(
             log.warning("ignoring unreadable kernel choice %s: %s", path, exc)
     log.info("choosing GEMM kernels: checking batch invariance and timing (once per model, dtype, device)")
     with torch.inference_mode():
-        report = measure(layer_weights, head, num_layers, device, dtype)
+        report = measure(weights, device, dtype)
     if use_cache:
         atomic_write_text(path, json.dumps(report.to_json()))
     return report
