@@ -104,14 +104,22 @@ def test_attention_is_row_invariant_across_chunk_boundaries(dtype: torch.dtype, 
 # -- the whole forward --------------------------------------------------------------------------
 
 
-def run_alone(target: FastLlamaTarget, prefix: torch.Tensor, tokens: list[int]) -> list:
-    """Each token of ``tokens`` decoded alone after ``prefix``: its ForwardOutput."""
+def prefilled(target: FastLlamaTarget, prefix: torch.Tensor, needs: ArtifactNeeds = NEEDS):
+    """A state with ``prefix`` committed."""
     state = target.start()
-    target.forward(state, prefix, None, NEEDS)
+    target.forward(state, prefix, None, needs)
     target.commit(state, range(len(prefix)))
+    return state
+
+
+def run_alone(
+    target: FastLlamaTarget, prefix: torch.Tensor, tokens: list[int], needs: ArtifactNeeds = NEEDS
+) -> list:
+    """Each token of ``tokens`` decoded alone after ``prefix``: its ForwardOutput."""
+    state = prefilled(target, prefix, needs)
     outs = []
     for t in tokens:
-        outs.append(target.forward(state, torch.tensor([t]), None, NEEDS))
+        outs.append(target.forward(state, torch.tensor([t]), None, needs))
         target.commit(state, [0])
     return outs
 
@@ -136,10 +144,7 @@ def test_forward_rows_equal_tokens_decoded_alone(dtype: torch.dtype, kernel: str
     alone = run_alone(target, prefix, tokens)
     with torch.inference_mode():
         for n in SIZES:
-            state = target.start()
-            target.forward(state, prefix, None, NEEDS)
-            target.commit(state, range(len(prefix)))
-            out = target.forward(state, torch.tensor(tokens[:n]), None, NEEDS)
+            out = target.forward(prefilled(target, prefix), torch.tensor(tokens[:n]), None, NEEDS)
             for i in positions(n):
                 assert_same_row(out, i, alone[i], (dtype, kernel, n, i))
 
@@ -292,18 +297,9 @@ def test_real_model_rows_equal_tokens_decoded_alone(request, fixture: str) -> No
     tokens = torch.randint(0, target.info.vocab_size, (max(SIZES),), generator=gen).tolist()
     needs = ArtifactNeeds(hidden_layers=frozenset({17}))
     with torch.inference_mode():
-        state = target.start()
-        target.forward(state, prefix, None, needs)
-        target.commit(state, range(len(prefix)))
-        alone = []
-        for t in tokens:
-            alone.append(target.forward(state, torch.tensor([t]), None, needs))
-            target.commit(state, [0])
+        alone = run_alone(target, prefix, tokens, needs)
         for n in SIZES:
-            state = target.start()
-            target.forward(state, prefix, None, needs)
-            target.commit(state, range(len(prefix)))
-            out = target.forward(state, torch.tensor(tokens[:n]), None, needs)
+            out = target.forward(prefilled(target, prefix, needs), torch.tensor(tokens[:n]), None, needs)
             for i in positions(n):
                 assert torch.equal(out.logits[i], alone[i].logits[0]), (fixture, n, i)
                 assert torch.equal(out.hidden[17][i], alone[i].hidden[17][0]), (fixture, n, i)
