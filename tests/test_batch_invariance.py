@@ -268,6 +268,32 @@ def test_kernel_choice_is_cached_and_a_corrupt_cache_is_remeasured(tmp_path, mon
     assert len(calls) == 2
 
 
+def test_kernel_choices_of_another_processor_are_not_reused(tmp_path, monkeypatch) -> None:
+    """Invariance is a property of a library on a machine: a cache shared by an Intel and an AMD
+    node must not hand one's verdicts to the other."""
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    calls = []
+    chosen = dict.fromkeys(kernels.ROLES, "aten:4")
+
+    def fake_measure(*args, **kw) -> KernelReport:
+        calls.append(1)
+        return KernelReport(dict(chosen), {r: {"aten:4": True} for r in chosen}, {})
+
+    monkeypatch.setattr(kernels, "measure", fake_measure)
+    args = ("fp", {}, torch.device("cpu"), torch.float32)
+    for cpu in ("intel", "amd", "intel"):
+        monkeypatch.setattr(kernels, "machine_id", lambda device, cpu=cpu: cpu)
+        kernels.load_or_measure(*args)
+    assert len(calls) == 2
+
+
+def test_machine_id_is_stable_and_short() -> None:
+    from llm_worker.model.kernels import machine_id
+
+    assert machine_id("cpu") == machine_id("cpu")
+    assert len(machine_id("cpu")) == 10
+
+
 def test_kernel_names_parse_and_bad_ones_are_refused() -> None:
     assert Kernel.parse("onednn:4") == Kernel("onednn", 4)
     assert Kernel.parse("aten:1").name == "aten:1"

@@ -13,7 +13,8 @@ zero rows up to it, so that every row count runs the same code path. At start-up
 is checked bitwise on this machine (a row alone vs the same row inside products of every size the
 engine uses, at the first and the last position, with the model's own weight shapes) and timed;
 the fastest invariant one is used. The verdicts and times are cached per model, dtype, device,
-thread count and torch version, next to the cost curve, and reported by ``specdraft bench``.
+thread count, torch version and processor (``machine_id``), next to the cost curve, and reported
+by ``specdraft bench``.
 
 Each GEMM of the forward (qkv, o, gate_up, down, lm_head: its own weight shape) gets its own
 choice: invariance is a property of one weight's products, so different roles may use different
@@ -24,8 +25,10 @@ multiplies 3 zero rows too, and is still the fastest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -242,8 +245,30 @@ def measure(
     return report
 
 
+def machine_id(device: str) -> str:
+    """A short id of the processor the verdicts were measured on: invariance is a property of a
+    library on a machine, so a cache shared between, say, an Intel and an AMD node must not
+    carry one's verdicts to the other."""
+    parts = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("vendor_id", "model name", "cpu family", "model\t", "flags")):
+                    parts.append(line.split(":", 1)[-1].strip())
+                if line.strip() == "":  # the first processor is enough
+                    break
+    except OSError:
+        parts.append(platform.processor())
+    if device.startswith("cuda") and torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name(torch.device(device)))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:10]
+
+
 def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
-    key = f"{fingerprint}-{dtype}-{device}-t{torch.get_num_threads()}-torch{torch.__version__}"
+    key = (
+        f"{fingerprint}-{dtype}-{device}-t{torch.get_num_threads()}-torch{torch.__version__}"
+        f"-cpu{machine_id(device)}"
+    )
     return cache_root() / "kernels" / (key.replace("/", "_").replace(":", "_") + ".json")
 
 
