@@ -247,44 +247,42 @@ def test_measure_checks_invariance_and_times_only_invariant_candidates(monkeypat
     assert KernelReport.from_json(json.loads(json.dumps(report.to_json()))).chosen == report.chosen
 
 
-def test_kernel_choice_is_cached_and_a_corrupt_cache_is_remeasured(tmp_path, monkeypatch) -> None:
+CACHED = dict.fromkeys(kernels.ROLES, "aten:4")
+LOAD_ARGS = ("fp", {}, torch.device("cpu"), torch.float32)  # load_or_measure's (fingerprint, weights, ...)
+
+
+@pytest.fixture
+def measure_calls(tmp_path, monkeypatch) -> list[int]:
+    """A fresh kernel cache and a fake ``measure`` (choosing ``CACHED``) that counts its calls."""
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
-    calls = []
-    chosen = dict.fromkeys(kernels.ROLES, "aten:4")
+    calls: list[int] = []
 
     def fake_measure(*args, **kw) -> KernelReport:
         calls.append(1)
-        return KernelReport(dict(chosen), {r: {"aten:4": True} for r in chosen}, {})
+        return KernelReport(dict(CACHED), {r: {"aten:4": True} for r in CACHED}, {})
 
     monkeypatch.setattr(kernels, "measure", fake_measure)
-    args = ("fp", {}, torch.device("cpu"), torch.float32)
-    assert kernels.load_or_measure(*args).chosen == chosen
-    again = kernels.load_or_measure(*args)
-    assert (again.chosen, again.measured, len(calls)) == (chosen, False, 1)
+    return calls
+
+
+def test_kernel_choice_is_cached_and_a_corrupt_cache_is_remeasured(measure_calls) -> None:
+    assert kernels.load_or_measure(*LOAD_ARGS).chosen == CACHED
+    again = kernels.load_or_measure(*LOAD_ARGS)
+    assert (again.chosen, again.measured, len(measure_calls)) == (CACHED, False, 1)
     path = kernels.cache_path("fp", "float32", "cpu")
-    assert json.loads(path.read_text())["chosen"] == chosen
+    assert json.loads(path.read_text())["chosen"] == CACHED
     path.write_text("{not json")
-    assert kernels.load_or_measure(*args).chosen == chosen
-    assert len(calls) == 2
+    assert kernels.load_or_measure(*LOAD_ARGS).chosen == CACHED
+    assert len(measure_calls) == 2
 
 
-def test_kernel_choices_of_another_processor_are_not_reused(tmp_path, monkeypatch) -> None:
+def test_kernel_choices_of_another_processor_are_not_reused(measure_calls, monkeypatch) -> None:
     """Invariance is a property of a library on a machine: a cache shared by an Intel and an AMD
     node must not hand one's verdicts to the other."""
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
-    calls = []
-    chosen = dict.fromkeys(kernels.ROLES, "aten:4")
-
-    def fake_measure(*args, **kw) -> KernelReport:
-        calls.append(1)
-        return KernelReport(dict(chosen), {r: {"aten:4": True} for r in chosen}, {})
-
-    monkeypatch.setattr(kernels, "measure", fake_measure)
-    args = ("fp", {}, torch.device("cpu"), torch.float32)
     for cpu in ("intel", "amd", "intel"):
         monkeypatch.setattr(kernels, "machine_id", lambda device, cpu=cpu: cpu)
-        kernels.load_or_measure(*args)
-    assert len(calls) == 2
+        kernels.load_or_measure(*LOAD_ARGS)
+    assert len(measure_calls) == 2
 
 
 def test_machine_id_is_stable_and_short() -> None:

@@ -137,19 +137,11 @@ def dtype_info(engine: Engine, bandwidth: float) -> dict[str, Any]:
     """What bounds one engine's decoding: its weight bytes per forward and the kernel choice."""
     target = engine.target
     out: dict[str, Any] = {"backend": target.info.backend}
-    weight_bytes = getattr(target, "weight_bytes", None)
-    if callable(weight_bytes):
-        nbytes = int(weight_bytes())
+    nbytes = target.weight_bytes()
+    if nbytes:
         out["weight_bytes"] = nbytes
         out["bandwidth_limit_tokens_per_second"] = round(bandwidth / nbytes, 2)
-    chosen = getattr(target, "kernels", None)
-    if chosen is not None:
-        out["gemm_kernels"] = {role: k.name for role, k in chosen.items()}
-        out["attention_chunk"] = getattr(target, "chunk", None)
-    report = getattr(target, "kernel_report", None)
-    if report is not None:
-        out["gemm_kernel_candidates"] = report.to_json()
-    return out
+    return out | target.kernel_info()
 
 
 def machine_info(engine: Engine) -> dict[str, Any]:
@@ -186,7 +178,7 @@ def machine_info(engine: Engine) -> dict[str, Any]:
 
 def _limits(result: BenchResult, engines: Mapping[str, Engine]) -> None:
     """``ar``'s tokens/s (the suite's, prefill included, and decode alone) as fractions of each
-    dtype's bandwidth limit; bfloat16 ``ar`` vs float32 ``ar``."""
+    dtype's bandwidth limit."""
     machine = result.machine
     for suffix, engine in engines.items():
         info = machine["dtypes"][engine.target.info.dtype]

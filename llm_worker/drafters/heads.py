@@ -106,15 +106,19 @@ def user_heads_dir() -> Path:
     return cache_root() / "induction_heads"
 
 
+def shipped_heads_dir() -> Path:
+    return Path(str(resources.files("llm_worker") / "data" / "induction_heads"))
+
+
 def shipped_heads_path(fingerprint: str) -> Path:
-    return Path(str(resources.files("llm_worker") / "data" / "induction_heads" / f"{fingerprint}.json"))
+    return shipped_heads_dir() / f"{fingerprint}.json"
 
 
 def find_heads_file(*ids: str) -> Path | None:
     """A calibration for these weights: the user's cache first, then the files we ship; for each
     place the ids in order (the dtype-specific fingerprint, then the dtype-free weights id: the
     induction heads are a property of the weights, and a bfloat16 load uses float32's)."""
-    for directory in (user_heads_dir(), shipped_heads_path("x").parent):
+    for directory in (user_heads_dir(), shipped_heads_dir()):
         for key in ids:
             if key and (directory / f"{key}.json").is_file():
                 return directory / f"{key}.json"

@@ -11,7 +11,7 @@ import torch
 
 from llm_worker.config import ModelConfig
 from llm_worker.model import kernels
-from llm_worker.model.fast_llama import FastLlamaTarget, KernelChooser, unsupported_reason
+from llm_worker.model.fast_llama import FastLlamaTarget, unsupported_reason
 from llm_worker.model.kernels import Kernel
 from llm_worker.model.loading import MARKER, resolve_model_dir, torch_dtype
 from llm_worker.model.target import HFTarget, TargetModel, describe
@@ -30,15 +30,9 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
         log.info("fast backend unavailable (%s); using the transformers forward", reason)
     info = describe(model, tokenizer, cfg.dtype, cfg.device, backend, cfg.max_context)
     if backend == "fast":
-        chosen: dict[str, Kernel] | KernelChooser
+        chosen: dict[str, Kernel] | kernels.KernelChooser
         if cfg.kernel == "auto":
-
-            def chosen(weights: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]):  # type: ignore[no-redef]
-                report = kernels.load_or_measure(
-                    info.fingerprint, weights, torch.device(cfg.device), model.dtype
-                )
-                return report.kernels(), report
-
+            chosen = kernels.measured_chooser(info.fingerprint, torch.device(cfg.device), model.dtype)
         else:
             kernel = Kernel.parse(cfg.kernel)
             if kernel.library == "onednn" and not kernels.onednn_available(

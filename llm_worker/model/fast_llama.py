@@ -29,14 +29,14 @@ the context), qwen2 (q/k/v biases).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from llm_worker.model.kernels import ROLES, Kernel, KernelReport, Linear
+from llm_worker.model.kernels import ROLES, Kernel, KernelChooser, Linear
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetInfo, TargetModel
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
@@ -44,13 +44,6 @@ from llm_worker.verify.tree import TreeBuffers
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _GROW = 512  # KV capacity grows in steps of this many positions
 ATTENTION_CHUNK = 256  # keys per reduction chunk of the attention (divides _GROW)
-
-KernelChooser = Callable[
-    [dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]],
-    tuple[Mapping[str, Kernel], KernelReport | None],
-]
-"""Given every GEMM role's weights (one per layer, as the forward multiplies them): the kernel of
-each role, and what was measured to choose them."""
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -109,7 +102,7 @@ def _fuse_bias(linears: Sequence[torch.nn.Linear]) -> torch.Tensor | None:
 
 
 class FastLlamaTarget(TargetModel):
-    """The fast forward; batch-invariant (see the module docstring) given an invariant ``kernel``."""
+    """The fast forward; batch-invariant (see the module docstring) given invariant GEMM kernels."""
 
     def __init__(
         self,
@@ -117,8 +110,9 @@ class FastLlamaTarget(TargetModel):
         info: TargetInfo,
         gemm_kernels: Mapping[str, Kernel] | KernelChooser | None = None,
         attention_chunk: int = ATTENTION_CHUNK,
-        report: KernelReport | None = None,
     ) -> None:
+        """``gemm_kernels``: a kernel per role (``kernels.ROLES``), or a chooser handed the fused
+        weights (``kernels.measured_chooser``); None: torch's own BLAS call for every role."""
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast backend: {reason}")
@@ -148,6 +142,7 @@ class FastLlamaTarget(TargetModel):
         self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [max_context, head_dim]
         head = model.lm_head
         weights: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {role: [] for role in ROLES}
+        report = None
         for layer in inner.layers:  # q/k/v and gate/up fused: the GEMMs the forward runs
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -185,7 +180,7 @@ class FastLlamaTarget(TargetModel):
         return f"-{names}-c{self.chunk}"
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one forward reads (every layer, the final norm and the LM head)."""
+        """Every layer's weights, the final norm and the LM head."""
         total = self.lm_head.weight.numel() * self.lm_head.weight.element_size()
         for layer in self.layers:
             for t in (layer.ln_attn, layer.ln_mlp):
@@ -193,6 +188,15 @@ class FastLlamaTarget(TargetModel):
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 total += lin.weight.numel() * lin.weight.element_size()
         return total + self.norm.numel() * self.norm.element_size()
+
+    def kernel_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "gemm_kernels": {role: k.name for role, k in self.kernels.items()},
+            "attention_chunk": self.chunk,
+        }
+        if self.kernel_report is not None:
+            info["gemm_kernel_candidates"] = self.kernel_report.to_json()
+        return info
 
     # -- KV state ---------------------------------------------------------------------------
 
@@ -251,7 +255,7 @@ class FastLlamaTarget(TargetModel):
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """RoPE of x [n, heads, d] with cos and sign-folded sin [n, 1, d] (``_rope_tables``):
+        """RoPE of x [n, heads, d] with cos and sign-folded sin [n, 1, d] (``cos``, ``sin_signed``):
         x·cos + (x2, x1)·(−sin1, sin2) = transformers' x·cos + (−x2, x1)·sin, the negation moved
         into the table (exact)."""
         n, heads, d = x.shape

@@ -200,7 +200,7 @@ def choose(invariant: Mapping[str, bool], seconds: Mapping[str, Mapping[int, flo
 
 
 def measure(
-    weights: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor | None]]],
+    weights: Weights,
     device: torch.device,
     dtype: torch.dtype,
     repeats: int = 3,
@@ -264,6 +264,22 @@ def machine_id(device: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:10]
 
 
+Weights = Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor | None]]]
+"""Every GEMM role's weight and bias, one per layer, as the forward multiplies them."""
+KernelChooser = Callable[[Weights], tuple[Mapping[str, Kernel], KernelReport | None]]
+"""Given the weights: the kernel of each role, and what was measured to choose it."""
+
+
+def measured_chooser(fingerprint: str, device: torch.device, dtype: torch.dtype) -> KernelChooser:
+    """The "auto" choice: ``load_or_measure`` on the weights the backend hands over."""
+
+    def choose_for(weights: Weights) -> tuple[Mapping[str, Kernel], KernelReport | None]:
+        report = load_or_measure(fingerprint, weights, device, dtype)
+        return report.kernels(), report
+
+    return choose_for
+
+
 def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
     key = (
         f"{fingerprint}-{dtype}-{device}-t{torch.get_num_threads()}-torch{torch.__version__}"
@@ -274,7 +290,7 @@ def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
 
 def load_or_measure(
     fingerprint: str,
-    weights: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor | None]]],
+    weights: Weights,
     device: torch.device,
     dtype: torch.dtype,
     use_cache: bool = True,

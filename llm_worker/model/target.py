@@ -175,6 +175,14 @@ class TargetModel(ABC):
         """What besides model, dtype and device changes the forward's speed (keys cost curves)."""
         return ""
 
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights one decode forward reads (the bench's bandwidth limit); None: unknown."""
+        return None
+
+    def kernel_info(self) -> dict[str, Any]:
+        """How the forward computes (kernel choices, what was measured to make them), for reports."""
+        return {}
+
 
 def weights_fingerprint(config: dict[str, Any], embed: torch.Tensor) -> str:
     """A short id of a checkpoint: its architecture plus a sample of its embedding matrix."""
