@@ -49,13 +49,9 @@ def generate(out_root: Path) -> list[Path]:
     code = protoc.main(args)
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
-    package_dir = out_root
-    for part in PACKAGE:
-        package_dir = package_dir / part
-        (package_dir / "__init__.py").write_text(HEADER)
-    return sorted(
-        p for p in out_root.joinpath(*PACKAGE[:1]).rglob("*") if p.is_file() and "__pycache__" not in p.parts
-    )
+    package_dir = out_root.joinpath(*PACKAGE)  # specdraft/ itself is hand-written (stubs, common)
+    (package_dir / "__init__.py").write_text(HEADER)
+    return sorted(p for p in package_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
 def stale(out_root: Path = ROOT) -> list[str]:

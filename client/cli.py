@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from specdraft.common import atomic_write_text
+
 EXIT_BAD_INPUT = 2
 
 
@@ -39,14 +41,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write a temporary file beside ``path``, then rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _quiet_libraries() -> None:
@@ -247,7 +241,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _discover(url: str, mode: str) -> str:
-    from client.registry import discover, open_registry
+    from llm_worker.registry import discover, open_registry
 
     try:
         addresses = discover(open_registry(url), mode)
@@ -324,7 +318,7 @@ def _cmd_serve_worker(args: argparse.Namespace) -> int:
     )
     if args.warm:
         engine.cost_curve  # measure (or load) the verify cost curve before taking traffic  # noqa: B018
-    from client.registry import open_registry
+    from llm_worker.registry import open_registry
 
     cfg = ServerConfig(
         host=args.host,
@@ -495,7 +489,7 @@ def _cmd_datastore_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_datastore_local_corpus(args: argparse.Namespace) -> int:
-    from datastore_svc.bench import code_questions, local_corpus
+    from client.bench.datastore import code_questions, local_corpus
 
     counts = local_corpus(args.out, args.max_chars)
     if args.questions_out:
@@ -507,7 +501,7 @@ def _cmd_datastore_local_corpus(args: argparse.Namespace) -> int:
 def _cmd_datastore_bench(args: argparse.Namespace) -> int:
     import time
 
-    from datastore_svc.bench import query_contexts, retrieval_latency
+    from client.bench.datastore import query_contexts, retrieval_latency
     from datastore_svc.store import DatastoreError, DatastoreVersion, LocalRetriever
     from llm_worker.drafters.rest import retrieval_config
 
@@ -535,7 +529,7 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
     report["in_process"] = retrieval_latency(LocalRetriever(version), contexts, cfg)
     dense = _dense_bench_setup(args, version) if args.dense else None
     if dense is not None:
-        from datastore_svc.dense_bench import dense_latency
+        from client.bench.dense import dense_latency
 
         stats, queries, dense_cfg = dense
         dense_latency(LocalRetriever(version), stats, queries[:50], dense_cfg)  # warm-up
@@ -555,7 +549,7 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
     if args.tau:
         import dataclasses
 
-        from datastore_svc.bench import replay_tau, specdraft_proposer
+        from client.bench.datastore import replay_tau, specdraft_proposer
 
         report["tau"] = {"references": {"runs": len(runs), "tokens": sum(len(r.reference) for r in runs)}}
         shapes = {"specdraft": cfg, "specdraft_l4": dataclasses.replace(cfg, max_length=4)}
@@ -567,7 +561,7 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
     if args.draftretriever:
         import tempfile
 
-        from datastore_svc import bench
+        from client.bench import datastore as bench
 
         tokens = [s.tokens for s in version.shards]
         with tempfile.TemporaryDirectory() as tmp:
@@ -582,7 +576,7 @@ def _cmd_datastore_bench(args: argparse.Namespace) -> int:
                 report["tau"][name] = stats.to_json()
     sys.stdout.write(json.dumps(report) + "\n")
     if args.json_out:
-        _write_atomically(Path(args.json_out), json.dumps(report, indent=1) + "\n")
+        atomic_write_text(Path(args.json_out), json.dumps(report, indent=1) + "\n")
     return 0
 
 
@@ -593,7 +587,7 @@ def _dense_bytes(manifest: dict[str, Any]) -> int:
 
 def _dense_bench_setup(args: argparse.Namespace, version: Any) -> tuple[Any, Any, Any]:
     """(statistics, queries from the suite's prompts, the dresd draft shape) for --dense."""
-    from datastore_svc.dense_bench import dense_queries
+    from client.bench.dense import dense_queries
     from llm_worker.drafters.dresd import dense_config
 
     if version.dense_stats is None:
@@ -607,9 +601,9 @@ def _dense_bench_setup(args: argparse.Namespace, version: Any) -> tuple[Any, Any
 def _tau_references(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     """The target's greedy answers to --questions: from --references if it exists, else generated
     (mode ``ar``) and saved there."""
-    from datastore_svc.bench import greedy_references, load_references, save_references
+    from client.bench.datastore import greedy_references, load_references, save_references
+    from client.bench.suite import load_questions
     from datastore_svc.store import tokenizer_identity
-    from llm_worker.bench.suite import load_questions
 
     fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
     if args.references and Path(args.references).exists():
@@ -647,8 +641,8 @@ def _grpc_latency(path: str, contexts: list[Any], cfg: Any, dense: Any = None) -
     (sparse, and dense too when ``dense`` = (statistics, queries, shape))."""
     import tempfile
 
+    from client.bench.datastore import retrieval_latency
     from client.stack import StackConfig, StackError, StackState, start_shards, stop_processes, wait_serving
-    from datastore_svc.bench import retrieval_latency
     from datastore_svc.fanout import RemoteDatastore
 
     stack = StackConfig(datastore=path, datastore_port=0)
@@ -667,7 +661,7 @@ def _grpc_latency(path: str, contexts: list[Any], cfg: Any, dense: Any = None) -
             result: dict[str, Any] = retrieval_latency(remote, contexts, cfg)
             result["failures"] = sum(remote.failures.values())
             if dense is not None:
-                from datastore_svc.dense_bench import dense_latency
+                from client.bench.dense import dense_latency
 
                 stats, queries, dense_cfg = dense
                 dense_latency(remote, stats, queries[:50], dense_cfg)
@@ -681,9 +675,9 @@ def _grpc_latency(path: str, contexts: list[Any], cfg: Any, dense: Any = None) -
 
 
 def _cmd_datastore_eval(args: argparse.Namespace) -> int:
+    from client.bench.dense_eval import evaluate
     from datastore_svc.corpus import CorpusError, read_documents
     from datastore_svc.dense_build import DenseBuildConfig, HiddenStates
-    from datastore_svc.dense_eval import evaluate
     from datastore_svc.store import DatastoreError, DatastoreVersion, tokenize_documents, tokenizer_identity
 
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
@@ -870,7 +864,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_bench_grpc(args: argparse.Namespace) -> int:
     import tempfile
 
-    from client.bench_grpc import measure
+    from client.bench.grpc_overhead import measure
     from client.stack import StackConfig, StackError, down, up
 
     prompt = "Write a numbered list of twenty fruits, one per line."
@@ -893,7 +887,7 @@ def _cmd_bench_grpc(args: argparse.Namespace) -> int:
     text = json.dumps(report.to_json(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:
-        _write_atomically(Path(args.json_out), text + "\n")
+        atomic_write_text(Path(args.json_out), text + "\n")
     return 0
 
 
@@ -903,7 +897,7 @@ def _cmd_bench_grpc(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from llm_worker.bench.suite import builtin_suite, load_questions
+    from client.bench.suite import builtin_suite, load_questions
 
     try:
         questions = load_questions(args.questions) if args.questions else builtin_suite(args.suite)
@@ -915,8 +909,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise CliError("no questions to run")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     engine, target, tokenizer = _load(args)
-    from llm_worker.bench.report import plot, render_table
-    from llm_worker.bench.runner import run_bench
+    from client.bench.report import plot, render_table
+    from client.bench.runner import run_bench
     from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
 
     if not modes:
@@ -938,7 +932,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     report = result.to_json()
     render_table(report, Console())
     if args.json_out:
-        _write_atomically(Path(args.json_out), json.dumps(report, indent=1) + "\n")
+        atomic_write_text(Path(args.json_out), json.dumps(report, indent=1) + "\n")
         console.print(f"wrote {args.json_out}")
     if args.plot:
         console.print(f"wrote {plot(report, Path(args.plot))}")
@@ -952,7 +946,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     _engine, target, tokenizer = _load(args)
-    from llm_worker.bench.suite import calibration_prompts
+    from client.bench.suite import calibration_prompts
     from llm_worker.calibrate import calibrate_heads
     from llm_worker.chat import chat_prompt_ids
     from llm_worker.drafters.heads import save_heads, shipped_heads_path, user_heads_dir

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from client.stubs import common_pb2, generation_pb2, generation_pb2_grpc
+from specdraft.stubs import common_pb2, generation_pb2, generation_pb2_grpc
 
 RETRY_POLICY = {
     "methodConfig": [

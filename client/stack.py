@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdraft.common import atomic_write_text
+
 STATE_FILE = "stack.json"
 
 
@@ -117,10 +119,7 @@ def read_state(state_dir: Path) -> StackState | None:
 
 def write_state(state_dir: Path, state: StackState) -> None:
     """Write atomically: a temporary file renamed over the old one."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_dir / f".{STATE_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(state.to_json(), indent=2) + "\n")
-    os.replace(tmp, state_dir / STATE_FILE)
+    atomic_write_text(state_dir / STATE_FILE, json.dumps(state.to_json(), indent=2) + "\n")
 
 
 # -- processes ------------------------------------------------------------------------------------

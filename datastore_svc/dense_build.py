@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from datastore_svc.dense import DenseStats, IndexParams, build_index, choose_kind, fit_stats
+from specdraft.common import atomic_path
 
 INDEX_FILE = "dense.faiss"
 POSITIONS_FILE = "positions.npy"
@@ -69,7 +69,7 @@ class DenseBuildReport:
 
 
 def default_cache_dir() -> Path:
-    from llm_worker.model.loading import cache_root
+    from specdraft.common import cache_root
 
     return cache_root() / "hidden"
 
@@ -102,11 +102,8 @@ class HiddenStates:
             except (OSError, ValueError):
                 pass  # unreadable: computed again and replaced below
         states = self.compute(docs)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
             np.save(f, states)
-        os.replace(tmp, path)
         return states, False
 
     def compute(self, docs: list[np.ndarray]) -> np.ndarray:

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from client.stubs import datastore_pb2, datastore_pb2_grpc
 from datastore_svc.dense import (
     NO_DENSE,
     DenseCandidate,
@@ -35,6 +34,7 @@ from datastore_svc.dense import (
     merge_dense,
 )
 from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge
+from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 log = logging.getLogger(__name__)
 

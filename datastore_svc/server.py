@@ -25,12 +25,12 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from client.stubs import datastore_pb2, datastore_pb2_grpc
 from datastore_svc.cache import StatsCache, link_for
 from datastore_svc.dense import DenseConfig, DenseRetrieval
 from datastore_svc.retrieval import Retrieval, RetrievalConfig
 from datastore_svc.shard import ShardState, VersionNotLoaded
 from datastore_svc.store import DatastoreError
+from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = datastore_pb2.DESCRIPTOR.services_by_name["Datastore"].full_name

@@ -47,6 +47,7 @@ from datastore_svc.dense import (
 )
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
 from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
+from specdraft.common import temp_sibling
 
 FORMAT = "specdraft-datastore"
 FORMAT_VERSION = 2
@@ -210,8 +211,7 @@ def write_version(
     out = Path(out)
     _check_new(out, shards)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_sibling(out)
     seconds = {"suffix_array": 0.0, "write": 0.0}
     try:
         groups = assign_shards([len(d) for d in docs], shards)
@@ -298,8 +298,7 @@ def derive_version(source: str | Path, out: str | Path, extend: Extend) -> Path:
         open_shard(source, manifest, int(entry["index"]), verify=True, dense=False)
     _check_new(out, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_sibling(out)
     try:
         for entry in manifest["shards"]:
             sdir = shard_dir(int(entry["index"]))

@@ -41,7 +41,8 @@ grpc_gevent.init_gevent()
 
 from client.grpc_client import CHANNEL_OPTIONS, RequestOptions, build_request  # noqa: E402
 from client.stack import default_state_dir, read_state  # noqa: E402
-from client.stubs import generation_pb2_grpc  # noqa: E402
+from specdraft.common import atomic_write_text, percentile  # noqa: E402
+from specdraft.stubs import generation_pb2_grpc  # noqa: E402
 
 _generations: list[dict[str, float]] = []
 
@@ -67,7 +68,7 @@ def worker_addresses(host: str | None, state_dir: str = "") -> list[str]:
 
 
 def _prompts(limit: int) -> list[str]:
-    from llm_worker.bench.suite import builtin_suite
+    from client.bench.suite import builtin_suite
 
     return [q.turns[0][:limit] for q in builtin_suite()]
 
@@ -153,10 +154,7 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
     """Per-generation tokens/s, TTFT and τ over the run (medians and p95)."""
 
     def pct(values: list[float], q: float) -> float:
-        if not values:
-            return float("nan")
-        values = sorted(values)
-        return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+        return percentile(values, q) if values else float("nan")
 
     out: dict[str, Any] = {"generations": len(rows), "tokens": int(sum(r["tokens"] for r in rows))}
     for key in ("tokens_per_second", "ttft", "tau"):
@@ -177,7 +175,4 @@ def _report(environment: Environment, **_kw: Any) -> None:
     prefix = getattr(environment.parsed_options, "csv_prefix", None)
     if prefix:
         path = Path(f"{prefix}_generation.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, path)
+        atomic_write_text(path, text + "\n")

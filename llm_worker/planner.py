@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from llm_worker.config import CostConfig, PlannerConfig
-from llm_worker.model.loading import atomic_write_text, cache_root
 from llm_worker.model.target import TargetModel
 from llm_worker.types import ArtifactNeeds, DraftBatch, DraftTree, Outcome, VerifyResult
+from specdraft.common import atomic_write_text, cache_root
 
 log = logging.getLogger(__name__)
 

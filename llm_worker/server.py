@@ -26,13 +26,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from client.registry import Registry, WorkerRecord
-from client.stubs import common_pb2, generation_pb2, generation_pb2_grpc
 from llm_worker import __version__
 from llm_worker.config import SamplingParams
 from llm_worker.engine import GenerationResult, StepOutput
 from llm_worker.metrics import WorkerMetrics
+from llm_worker.registry import Registry, WorkerRecord
 from llm_worker.worker import BadRequest, Worker, WorkRequest
+from specdraft.stubs import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datastore_svc.bench import (
+from client.bench.datastore import (
     ReferenceRun,
     accepted_length,
     draft_nodes,

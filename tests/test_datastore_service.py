@@ -24,13 +24,13 @@ from test_lossless_tiny import FLAT_CURVE, prompts
 from test_rest import datastore_for, rest_engine
 
 from client.cli import main
-from client.stubs import datastore_pb2, datastore_pb2_grpc
 from datastore_svc.fanout import RemoteDatastore, swap_all
 from datastore_svc.retrieval import RetrievalConfig
 from datastore_svc.server import ShardServer, ShardServerConfig
 from datastore_svc.shard import ShardState
 from datastore_svc.store import DatastoreVersion, write_version
 from llm_worker.engine import GenerationRequest
+from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 VOCAB = 96
 IDENTITY = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}

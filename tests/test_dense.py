@@ -381,7 +381,7 @@ def test_sampling_dresd_matches_exact_distribution(mode: str, params: SamplingPa
 
 
 def test_reciprocal_ranks_and_relevance() -> None:
-    from datastore_svc.dense_eval import reciprocal_ranks, relevance
+    from client.bench.dense_eval import reciprocal_ranks, relevance
 
     rel = np.array([[False, True, True], [False, False, False], [True, False, False]])
     assert reciprocal_ranks(rel).tolist() == [0.5, 0.0, 1.0]
@@ -398,7 +398,7 @@ def test_reciprocal_ranks_and_relevance() -> None:
 def test_eval_finds_the_keys_of_seen_text(tiny, tmp_path: Path) -> None:
     """Positions of text the datastore holds retrieve their own key first (MRR 1 for the next token
     at k=1 when the states are identical), and the flat index recalls exact search fully."""
-    from datastore_svc.dense_eval import evaluate
+    from client.bench.dense_eval import evaluate
 
     model, target = tiny
     docs = own_continuations(model, target, 3)

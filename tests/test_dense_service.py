@@ -15,7 +15,6 @@ from test_dense import dense_version, own_continuations
 from test_lossless_tiny import FLAT_CURVE, VOCAB, prompts
 from test_registry import RedisServer
 
-from client.stubs import datastore_pb2, datastore_pb2_grpc
 from datastore_svc.cache import QueryCache, RedisLink, StatsCache
 from datastore_svc.dense import DenseConfig
 from datastore_svc.fanout import RemoteDatastore
@@ -26,6 +25,7 @@ from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig
 from llm_worker.drafters import DraftResources
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
+from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 pytestmark = pytest.mark.redis
 CFG = DenseConfig(top_k=32, max_candidates=3, max_length=8)

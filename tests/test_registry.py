@@ -16,10 +16,10 @@ from conftest import CPU_LIKE_CURVE
 from test_server import ServerThread
 
 from client.grpc_client import GenerationClient, RequestOptions, build_request
-from client.registry import InProcessRegistry, RedisRegistry, WorkerRecord, discover, open_registry
 from llm_worker.config import EngineConfig, ModelConfig
 from llm_worker.engine import Engine
 from llm_worker.model import load_target
+from llm_worker.registry import InProcessRegistry, RedisRegistry, WorkerRecord, discover, open_registry
 from llm_worker.server import ServerConfig
 from llm_worker.worker import Worker
 

@@ -19,12 +19,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.cli import main
 from client.grpc_client import GenerationClient, RequestOptions, build_request, response_to_json
-from client.stubs import generation_pb2, generation_pb2_grpc
 from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import load_target
 from llm_worker.server import ServerConfig, WorkerServer
 from llm_worker.worker import Worker
+from specdraft.stubs import generation_pb2, generation_pb2_grpc
 
 
 class ServerThread:
@@ -320,7 +320,7 @@ def test_bench_grpc_reports_overhead_per_call_and_per_token(
 
 
 def test_percentile_is_nearest_rank() -> None:
-    from client.bench_grpc import percentile
+    from client.bench.grpc_overhead import percentile
 
     assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.0
     assert percentile(list(map(float, range(1, 101))), 0.99) == 99.0

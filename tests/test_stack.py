@@ -17,8 +17,8 @@ import pytest
 
 from client.cli import main
 from client.grpc_client import GenerationClient, RequestOptions, build_request
-from client.registry import RedisRegistry, discover
 from client.stack import StackConfig, StackError, StackState, down, is_alive, read_state, status, up
+from llm_worker.registry import RedisRegistry, discover
 
 pytestmark = pytest.mark.redis
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_worker.bench.suite import (
+from client.bench.suite import (
     CALIBRATION_SOURCES,
     CATEGORIES,
     MAX_CHARS,
@@ -245,7 +245,7 @@ def test_load_duplicate_ids(tmp_path: Path) -> None:
 def test_same_questions_without_docstrings() -> None:
     """Under ``python -OO`` docstrings are read from the source: the suite must not change."""
     script = (
-        "import json; from llm_worker.bench.suite import builtin_suite, calibration_prompts; "
+        "import json; from client.bench.suite import builtin_suite, calibration_prompts; "
         "print(json.dumps([list(q.turns) for q in builtin_suite()] + calibration_prompts()))"
     )
     result = subprocess.run([sys.executable, "-OO", "-c", script], capture_output=True, text=True, check=True)

@@ -10,15 +10,13 @@ scores the fraction of copy events where it does; the top heads go into a small 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from llm_worker.model.loading import cache_root
+from specdraft.common import atomic_write_text, cache_root
 
 FORMAT_VERSION = 1
 MAX_SUFFIX = 64
@@ -134,10 +132,5 @@ def load_heads(path: Path) -> HeadsFile:
 
 def save_heads(heads: HeadsFile, path: Path) -> Path:
     """Write atomically (temp file in the same directory, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(heads.to_json(), f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(heads.to_json(), indent=1) + "\n")
     return path

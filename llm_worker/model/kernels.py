@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llm_worker.model.loading import atomic_write_text, cache_root
+from specdraft.common import atomic_write_text, cache_root
 
 log = logging.getLogger(__name__)
 

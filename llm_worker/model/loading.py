@@ -12,12 +12,12 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from specdraft.common import cache_root, temp_sibling
 
 log = logging.getLogger(__name__)
 
@@ -29,26 +29,6 @@ MARKER = "specdraft-conversion.json"
 
 class ModelNotFoundError(RuntimeError):
     """The model directory or the default model package is missing."""
-
-
-def cache_root() -> Path:
-    """``$SPECDRAFT_CACHE``, else ``~/.cache/specdraft``."""
-    env = os.environ.get("SPECDRAFT_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "specdraft"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename:
-    a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def default_gguf_path() -> Path:
@@ -84,7 +64,8 @@ def convert_gguf(gguf: Path, out_dir: Path, model_id: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    tmp = temp_sibling(out_dir)
+    tmp.mkdir()
     try:
         log.info("converting %s to safetensors (once)", gguf)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

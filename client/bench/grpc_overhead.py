@@ -13,7 +13,6 @@ The worker runs in its own process (``specdraft up --no-redis``) unless ``--serv
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from client.grpc_client import GenerationClient, RequestOptions, build_request
+from specdraft.common import percentile
 
 
 @dataclass(frozen=True)
@@ -44,16 +44,9 @@ class OverheadReport:
         }
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]); [1, 2, 3, 4] at 0.5 → 2 (rank ceil(0.5·4) = 2)."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(round(q * len(ordered), 9)))
-    return ordered[rank - 1]
-
-
 def summary(values: Sequence[float]) -> dict[str, float]:
     return {
-        "median": round(statistics.median(values), 3),
+        "median": round(percentile(values, 0.5), 3),
         "p99": round(percentile(values, 0.99), 3),
         "mean": round(statistics.fmean(values), 3),
     }
@@ -88,5 +81,5 @@ def measure(
         new_tokens=max_new_tokens,
         unary_ms=summary(unary),
         stream_ms_per_token=summary(stream),
-        engine_ms_per_token=round(statistics.median(engine), 3),
+        engine_ms_per_token=round(percentile(engine, 0.5), 3),
     )

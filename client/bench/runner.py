@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from llm_worker.bench.runners import Outcome, Runner, make_runners
-from llm_worker.bench.suite import Question
+from client.bench.runners import Outcome, Runner, make_runners
+from client.bench.suite import Question
 from llm_worker.chat import chat_prompt_ids
 from llm_worker.engine import Engine
 
@@ -231,7 +231,7 @@ def run_bench(
         shift = qi % len(all_modes)
         order = all_modes[shift:] + all_modes[:shift]
         outputs: dict[str, list[Outcome]] = {
-            mode: _run_turns(runners[mode], tokenizer, question, max_new_tokens) for mode in order
+            mode: run_turns(runners[mode], tokenizer, question, max_new_tokens) for mode in order
         }
         cat = result.per_category.setdefault(question.category, {m: Tally() for m in all_modes})
         for mode in all_modes:
@@ -254,7 +254,7 @@ def run_bench(
     return result
 
 
-def _run_turns(runner: Runner, tokenizer: Any, question: Question, max_new: int) -> list[Outcome]:
+def run_turns(runner: Runner, tokenizer: Any, question: Question, max_new: int) -> list[Outcome]:
     messages: list[dict[str, str]] = []
     outcomes = []
     for turn in question.turns:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import gzip
 import inspect
 import json
-import os
 import statistics
 import sysconfig
 import time
@@ -32,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from client.bench_grpc import percentile
 from datastore_svc.retrieval import RetrievalConfig
+from specdraft.common import atomic_path, atomic_write_text, percentile
 
 DOC_ROOT = Path("/usr/share/doc")
 TEXT_SUFFIXES = ("", ".txt", ".md", ".rst", ".gz")
@@ -67,10 +66,8 @@ def _doc_texts() -> Iterator[str]:
 
 def local_corpus(out: str | Path, max_chars: int) -> dict[str, int]:
     """Write up to ``max_chars`` of local text as JSONL (atomically); documents and chars written."""
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
     docs = chars = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for source in (_stdlib_sources(), _doc_texts()):
             for text in source:
                 if chars >= max_chars:
@@ -79,7 +76,6 @@ def local_corpus(out: str | Path, max_chars: int) -> dict[str, int]:
                 f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
                 docs += 1
                 chars += len(text)
-    os.replace(tmp, out)
     return {"documents": docs, "chars": chars}
 
 
@@ -115,7 +111,7 @@ def code_questions(out: str | Path, count: int) -> int:
 
 def query_contexts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list[np.ndarray]:
     """``count`` contexts of ``length`` tokens at random places of the built-in suite's prompts."""
-    from llm_worker.bench.suite import builtin_suite
+    from client.bench.suite import builtin_suite
 
     rng = np.random.default_rng(seed)
     texts = [t for q in builtin_suite() for t in q.turns]
@@ -139,7 +135,7 @@ def retrieval_latency(retriever: Any, contexts: list[np.ndarray], cfg: Retrieval
         matched += bool(result.candidates)
     return {
         "calls": len(times),
-        "p50_ms": round(statistics.median(times), 3),
+        "p50_ms": round(percentile(times, 0.5), 3),
         "p99_ms": round(percentile(times, 0.99), 3),
         "mean_ms": round(statistics.fmean(times), 3),
         "matched": round(matched / max(len(times), 1), 3),
@@ -257,7 +253,7 @@ def draftretriever_latency(searcher: DraftRetrieverSearch, contexts: list[np.nda
         matched += bool(found)
     return {
         "calls": len(times),
-        "p50_ms": round(statistics.median(times), 3),
+        "p50_ms": round(percentile(times, 0.5), 3),
         "p99_ms": round(percentile(times, 0.99), 3),
         "mean_ms": round(statistics.fmean(times), 3),
         "matched": round(matched / max(len(times), 1), 3),
@@ -389,8 +385,8 @@ def greedy_references(
     engine: Any, tokenizer: Any, questions: Sequence[Any], max_new_tokens: int
 ) -> list[tuple[str, int, ReferenceRun]]:
     """(question id, turn, run) per turn: ``ar``'s answers, prompted exactly as ``specdraft bench`` does."""
-    from llm_worker.bench.runner import _run_turns
-    from llm_worker.bench.runners import Outcome, engine_runner
+    from client.bench.runner import run_turns
+    from client.bench.runners import Outcome, engine_runner
 
     ar = engine_runner(engine, "ar")
     prompts: list[list[int]] = []  # the prompts of the current question's turns
@@ -402,7 +398,7 @@ def greedy_references(
     out: list[tuple[str, int, ReferenceRun]] = []
     for question in questions:
         prompts.clear()
-        outcomes = _run_turns(recording, tokenizer, question, max_new_tokens)
+        outcomes = run_turns(recording, tokenizer, question, max_new_tokens)
         for turn, (prompt, outcome) in enumerate(zip(prompts, outcomes, strict=True)):
             out.append((question.question_id, turn, ReferenceRun(tuple(prompt), tuple(outcome.token_ids))))
     return out
@@ -425,10 +421,7 @@ def save_references(
             for qid, turn, r in runs
         ],
     }
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(payload) + "\n")
 
 
 def load_references(path: str | Path) -> tuple[dict[str, Any], list[ReferenceRun]]:

@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from client.bench_grpc import percentile
 from datastore_svc.dense import DenseConfig, DenseStats
+from specdraft.common import percentile
 
 
 def dense_queries(model: Any, tokenizer: Any, count: int, seed: int = 0) -> list[tuple[np.ndarray, int]]:
     """``count`` (hidden state, next token) pairs at random positions of the built-in suite's prompts."""
     import torch
 
-    from llm_worker.bench.suite import builtin_suite
+    from client.bench.suite import builtin_suite
 
     texts = [t for q in builtin_suite() for t in q.turns]
     rng = np.random.default_rng(seed)

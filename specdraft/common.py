@@ -1,0 +1,61 @@
+"""Utilities every layer shares: atomic writes, the cache directory, percentiles."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """``$SPECDRAFT_CACHE``, else ``~/.cache/specdraft``."""
+    env = os.environ.get("SPECDRAFT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "specdraft"
+
+
+def temp_sibling(path: Path) -> Path:
+    """A fresh name beside ``path`` for something that is renamed over it when complete:
+    ``.NAME.tmp-PID-RANDOM`` (hidden, and never one another process uses)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary file name beside ``path``; when the block ends without an error the
+    file is renamed over ``path``, otherwise removed. A reader sees the old file or the new one,
+    never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (``atomic_path``)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (q in [0, 1]) by linear interpolation between the closest ranks, as
+    ``numpy.percentile``'s default: [1, 2, 3, 4] at 0.5 → 2.5 (the median), at 0.99 → 3.97.
+    Every latency figure of the project uses this one definition."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 1:
+        raise ValueError(f"q must lie in [0, 1], got {q}")
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
