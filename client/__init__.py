@@ -1,1 +1,1 @@
-"""specdraft client: the CLI now; typed gRPC clients come with the service (issue 3)."""
+"""specdraft client: the CLI, typed gRPC clients, discovery, the local stack and the benchmarks."""

@@ -192,36 +192,8 @@ class AsyncGenerationClient:
 
 
 def response_to_json(resp: generation_pb2.GenerateResponse) -> dict[str, Any]:
-    """The CLI's JSON object (the same keys as the in-process path)."""
-    s = resp.stats
-    payload: dict[str, Any] = {
-        "text": resp.text,
-        "token_ids": list(resp.token_ids),
-        "mode": resp.mode,
-        "finish_reason": resp.finish_reason,
-        "prompt_tokens": resp.prompt_tokens,
-        "stats": {
-            "new_tokens": s.new_tokens,
-            "target_forwards": s.target_forwards,
-            "tau": round(s.tau, 4),
-            "acceptance_rate": round(s.acceptance_rate, 4),
-            "drafted_tokens": s.drafted_tokens,
-            "accepted_tokens": s.accepted_tokens,
-            "draft_seconds": round(s.draft_seconds, 4),
-            "verify_seconds": round(s.verify_seconds, 4),
-            "seconds": round(s.seconds, 4),
-            "tokens_per_second": round(s.tokens_per_second, 3),
-        },
-        "provenance": [
-            {
-                "output_start": p.output_start,
-                "source_start": p.source_start,
-                "length": p.length,
-                "drafter": p.drafter,
-            }
-            for p in resp.provenance
-        ],
-    }
-    if resp.datastore_version:
-        payload["datastore_version"] = resp.datastore_version
-    return payload
+    """The CLI's JSON object: the worker's result through the one serializer the in-process path
+    uses (``GenerationResult.to_json``)."""
+    from llm_worker.results import from_response
+
+    return from_response(resp).to_json(resp.text, resp.prompt_tokens)

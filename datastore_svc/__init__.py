@@ -1,1 +1,2 @@
-"""Datastore service: sparse (suffix array) and dense (FAISS) retrieval shards — later issues."""
+"""Datastore service: versions, sparse (suffix array) and dense (FAISS) retrieval, shard servers,
+the fan-out client."""

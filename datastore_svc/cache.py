@@ -131,10 +131,6 @@ class CacheCounters:
     saved_seconds: float = 0.0  # hits × the mean cost of a miss (projection + search)
     miss_seconds: float = 0.0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / max(self.hits + self.misses, 1)
-
 
 def context_hash(context: np.ndarray) -> str:
     return hashlib.blake2b(

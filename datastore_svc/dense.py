@@ -173,7 +173,7 @@ class IndexParams:
     pq_bytes: int = 0  # ivfpq: bytes per key (0 = dims / 2)
 
 
-def build_index(keys: np.ndarray, kind: str, params: IndexParams = IndexParams()) -> Any:
+def build_faiss_index(keys: np.ndarray, kind: str, params: IndexParams = IndexParams()) -> Any:
     """A FAISS inner-product index over ``keys`` [n, dims] (unit-norm float32), ids = row numbers.
 
     ``flat``: exact search over float16 keys; ``hnsw``: HNSW graph over float16 keys; ``ivf``:

@@ -8,7 +8,7 @@
    type reads the cache instead of running the model, and an interrupted build resumes.
 2. Statistics: z-score and PCA (``dense.fit_stats``) on an evenly spread sample of the states.
 3. Keys: every state with a next token in its document, reduced; one FAISS index and the keys'
-   token positions per shard (``dense.build_index``).
+   token positions per shard (``dense.build_faiss_index``).
 
 The files go into the version's temporary directory (``store.write_version`` / ``derive_version``),
 which appears whole or not at all.
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore_svc.dense import DenseStats, IndexParams, build_index, choose_kind, fit_stats
+from datastore_svc.dense import DenseStats, IndexParams, build_faiss_index, choose_kind, fit_stats
 from specdraft.common import atomic_path
 
 INDEX_FILE = "dense.faiss"
@@ -231,7 +231,7 @@ def build_dense(
         key_matrix = np.concatenate(keys) if keys else np.zeros((0, stats.dims), np.float32)
         pos = np.concatenate(positions) if positions else np.zeros(0, np.int64)
         kind = choose_kind(len(pos), cfg.index)
-        index = build_index(key_matrix, kind, cfg.params)
+        index = build_faiss_index(key_matrix, kind, cfg.params)
         _write_index(version_dir / shard_dir(int(entry["index"])), index, pos)
         report.keys += len(pos)
         kinds.append(kind)

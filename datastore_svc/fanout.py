@@ -33,29 +33,31 @@ from datastore_svc.dense import (
     DenseStats,
     merge_dense,
 )
+from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
 from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def from_response(resp: datastore_pb2.RetrieveResponse) -> Retrieval:
+def sparse_from_response(resp: datastore_pb2.RetrieveResponse) -> Retrieval:
     candidates = []
     for c in resp.candidates:
         counts = tuple(c.prefix_counts) or (c.count,) * len(c.tokens)
         source = Source(c.source.shard, c.source.document, c.source.offset) if c.HasField("source") else None
         candidates.append(Candidate(tuple(c.tokens), counts, source))
-    return Retrieval(tuple(candidates), resp.match_length, resp.occurrences, resp.sampled)
+    d = resp.sparse
+    return Retrieval(tuple(candidates), d.match_length, d.occurrences, d.sampled)
 
 
-def from_dense_response(resp: datastore_pb2.RetrieveResponse) -> DenseRetrieval:
+def dense_from_response(resp: datastore_pb2.RetrieveResponse) -> DenseRetrieval:
     candidates = []
     for c in resp.candidates:
         source = (
             DenseSource(c.source.shard, c.source.document, c.source.offset) if c.HasField("source") else None
         )
         candidates.append(DenseCandidate(tuple(c.tokens), float(c.score), int(c.count), source))
-    return DenseRetrieval(tuple(candidates), resp.sampled, resp.occurrences)
+    return DenseRetrieval(tuple(candidates), searched=resp.dense.searched, matched=resp.dense.matched)
 
 
 class DatastoreUnavailable(RuntimeError):
@@ -63,13 +65,13 @@ class DatastoreUnavailable(RuntimeError):
 
 
 class RemoteDatastore:
-    """The ``Retriever`` protocol over shard servers at ``addresses`` (one per shard)."""
+    """``SparseRetriever`` and ``DenseRetriever`` over shard servers at ``addresses`` (one per shard)."""
 
-    def __init__(self, addresses: Sequence[str], deadline: float = 0.02) -> None:
+    def __init__(self, addresses: Sequence[str], deadline_seconds: float = 0.02) -> None:
         if not addresses:
             raise ValueError("no datastore shard address given")
         self.addresses = list(addresses)
-        self.deadline = deadline
+        self.deadline_seconds = deadline_seconds
         self._channels = [grpc.insecure_channel(a) for a in self.addresses]
         self._stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in self._channels]
         self.failures: Counter[str] = Counter()  # per address: calls that failed or timed out
@@ -79,27 +81,29 @@ class RemoteDatastore:
         self._current = ""
         self._checked = -1e9  # when the shards were last asked for their version
 
-    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> SparseAnswer:
         request = datastore_pb2.RetrieveRequest(
-            context=[int(t) for t in context[-cfg.c_max :]],
+            sparse=datastore_pb2.SparseQuery(
+                context=[int(t) for t in context[-cfg.c_max :]],
+                min_match=cfg.c_min,
+                max_occurrences=cfg.max_occurrences,
+                max_nodes=cfg.max_nodes,
+            ),
             max_candidates=cfg.max_candidates,
             max_length=cfg.max_length,
-            min_match=cfg.c_min,
-            max_occurrences=cfg.max_occurrences,
-            max_nodes=cfg.max_nodes,
             version=version,
         )
         answers = self._gather(request)
         if not answers:
-            return Retrieval((), 0, 0, 0), version
+            return SparseAnswer(Retrieval((), 0, 0, 0), version)
         chosen = version or Counter(a.version for a in answers).most_common(1)[0][0]
         if not version:  # an unpinned answer says what the shards serve now
             self._current = chosen
-        results = [from_response(a) for a in answers if a.version == chosen]
-        return merge(results, cfg.max_nodes, cfg.max_candidates), chosen
+        results = [sparse_from_response(a) for a in answers if a.version == chosen]
+        return SparseAnswer(merge(results, cfg.max_nodes, cfg.max_candidates), chosen)
 
     def _gather(self, request: datastore_pb2.RetrieveRequest) -> list[datastore_pb2.RetrieveResponse]:
-        calls = [stub.Retrieve.future(request, timeout=self.deadline) for stub in self._stubs]
+        calls = [stub.Retrieve.future(request, timeout=self.deadline_seconds) for stub in self._stubs]
         answers = []
         for address, call in zip(self.addresses, calls, strict=True):
             try:
@@ -111,21 +115,23 @@ class RemoteDatastore:
 
     def retrieve_dense(
         self, query: np.ndarray, next_token: int, cfg: DenseConfig, version: str = ""
-    ) -> tuple[DenseRetrieval, str]:
+    ) -> DenseAnswer:
         request = datastore_pb2.RetrieveRequest(
-            embedding=np.asarray(query, dtype=np.float32).tolist(),
-            next_token=int(next_token),
-            top_k=cfg.top_k,
+            dense=datastore_pb2.DenseQuery(
+                embedding=np.asarray(query, dtype=np.float32).tolist(),
+                next_token=int(next_token),
+                top_k=cfg.top_k,
+            ),
             max_candidates=cfg.max_candidates,
             max_length=cfg.max_length,
             version=version,
         )
         answers = self._gather(request)
         if not answers:
-            return NO_DENSE, version
+            return DenseAnswer(NO_DENSE, version)
         chosen = version or Counter(a.version for a in answers).most_common(1)[0][0]
-        results = [from_dense_response(a) for a in answers if a.version == chosen]
-        return merge_dense(results, cfg.max_candidates), chosen
+        results = [dense_from_response(a) for a in answers if a.version == chosen]
+        return DenseAnswer(merge_dense(results, cfg.max_candidates), chosen)
 
     def current_version(self) -> str:
         """The version most shards serve (asked at most every ``recheck_seconds``; "" = none answers)."""
@@ -145,7 +151,7 @@ class RemoteDatastore:
             self._current = Counter(versions).most_common(1)[0][0]
         return self._current
 
-    def dense_stats(self, version: str) -> tuple[DenseStats | None, str]:
+    def dense_stats(self, version: str) -> DenseDescription:
         """(the dense statistics of ``version`` from the first shard that has it, its model fingerprint)."""
         failed = self._stats_failed.get(version)
         if failed is not None and time.monotonic() - failed < self.recheck_seconds:
@@ -159,9 +165,9 @@ class RemoteDatastore:
                 errors.append(f"{address}: {exc.code().name}")
                 continue
             if not info.HasField("dense") or not info.dense.stats:
-                return None, ""
+                return DenseDescription(None, "")
             try:
-                return DenseStats.from_bytes(info.dense.stats), info.dense.model_fingerprint
+                return DenseDescription(DenseStats.from_bytes(info.dense.stats), info.dense.model_fingerprint)
             except DenseError as exc:
                 errors.append(f"{address}: {exc}")
         self._stats_failed[version] = time.monotonic()

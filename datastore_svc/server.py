@@ -1,6 +1,6 @@
 """A datastore shard as a gRPC server: a thin ``grpc.aio`` servicer over ``ShardState``.
 
-Retrieve (sparse when the request carries context tokens, dense when it carries an embedding),
+Retrieve (sparse or dense: the request's query says which),
 GetShardInfo (with the dense statistics on request), and the admin calls LoadVersion /
 SwapVersion; the standard health service and server reflection; Prometheus metrics on an HTTP
 port. Bad input gets INVALID_ARGUMENT, an unknown version NOT_FOUND, a version that cannot be
@@ -87,37 +87,39 @@ class ShardMetrics:
         return int(server.server_port)
 
 
-def retrieval_config(msg: datastore_pb2.RetrieveRequest, defaults: RetrievalConfig) -> RetrievalConfig:
-    """The request's retrieval shape, checked; ValueError names the bad field."""
-    if not msg.context:
+def sparse_config_from(msg: datastore_pb2.RetrieveRequest, defaults: RetrievalConfig) -> RetrievalConfig:
+    """The sparse request's retrieval shape, checked; ValueError names the bad field."""
+    query = msg.sparse
+    if not query.context:
         raise ValueError("context is empty (sparse retrieval needs the last context tokens)")
-    if len(msg.context) > MAX_CONTEXT:
-        raise ValueError(f"context has {len(msg.context)} tokens; at most {MAX_CONTEXT}")
-    if msg.max_length > MAX_LENGTH or msg.max_candidates > MAX_CANDIDATES or msg.max_nodes > MAX_CANDIDATES:
+    if len(query.context) > MAX_CONTEXT:
+        raise ValueError(f"context has {len(query.context)} tokens; at most {MAX_CONTEXT}")
+    if msg.max_length > MAX_LENGTH or msg.max_candidates > MAX_CANDIDATES or query.max_nodes > MAX_CANDIDATES:
         raise ValueError(f"max_length ≤ {MAX_LENGTH}, max_candidates and max_nodes ≤ {MAX_CANDIDATES}")
-    if msg.max_occurrences > MAX_OCCURRENCES:
+    if query.max_occurrences > MAX_OCCURRENCES:
         raise ValueError(f"max_occurrences ≤ {MAX_OCCURRENCES}")
-    c_min = max(1, msg.min_match)
-    if c_min > len(msg.context):
-        raise ValueError(f"min_match {c_min} exceeds the context length {len(msg.context)}")
+    c_min = max(1, query.min_match)
+    if c_min > len(query.context):
+        raise ValueError(f"min_match {c_min} exceeds the context length {len(query.context)}")
     return RetrievalConfig(
         c_min=c_min,
-        c_max=len(msg.context),
-        max_occurrences=msg.max_occurrences or defaults.max_occurrences,
+        c_max=len(query.context),
+        max_occurrences=query.max_occurrences or defaults.max_occurrences,
         max_length=msg.max_length or defaults.max_length,
-        max_nodes=msg.max_nodes or defaults.max_nodes,
+        max_nodes=query.max_nodes or defaults.max_nodes,
         max_candidates=msg.max_candidates or defaults.max_candidates,
     )
 
 
-def dense_config(msg: datastore_pb2.RetrieveRequest, defaults: DenseConfig, dims: int) -> DenseConfig:
-    """The request's dense retrieval shape, checked; ValueError names the bad field."""
-    if len(msg.embedding) != dims:
-        raise ValueError(f"embedding has {len(msg.embedding)} dimensions; this version's keys have {dims}")
-    if msg.top_k > MAX_TOP_K or msg.max_length > MAX_LENGTH or msg.max_candidates > MAX_CANDIDATES:
+def dense_config_from(msg: datastore_pb2.RetrieveRequest, defaults: DenseConfig, dims: int) -> DenseConfig:
+    """The dense request's retrieval shape, checked; ValueError names the bad field."""
+    query = msg.dense
+    if len(query.embedding) != dims:
+        raise ValueError(f"embedding has {len(query.embedding)} dimensions; this version's keys have {dims}")
+    if query.top_k > MAX_TOP_K or msg.max_length > MAX_LENGTH or msg.max_candidates > MAX_CANDIDATES:
         raise ValueError(f"top_k ≤ {MAX_TOP_K}, max_length ≤ {MAX_LENGTH}, max_candidates ≤ {MAX_CANDIDATES}")
     return DenseConfig(
-        top_k=msg.top_k or defaults.top_k,
+        top_k=query.top_k or defaults.top_k,
         max_candidates=msg.max_candidates or defaults.max_candidates,
         max_length=msg.max_length or defaults.max_length,
     )
@@ -125,7 +127,7 @@ def dense_config(msg: datastore_pb2.RetrieveRequest, defaults: DenseConfig, dims
 
 def dense_response(result: DenseRetrieval, version: str) -> datastore_pb2.RetrieveResponse:
     resp = datastore_pb2.RetrieveResponse(
-        version=version, occurrences=result.matched, sampled=result.searched
+        version=version, dense=datastore_pb2.DenseDetail(matched=result.matched, searched=result.searched)
     )
     for cand in result.candidates:
         msg = resp.candidates.add(tokens=cand.tokens, count=cand.count, score=cand.score)
@@ -141,13 +143,11 @@ def _fill_source(msg: Any, source: Any) -> None:
         msg.source.offset = source.offset
 
 
-def to_response(result: Retrieval, version: str) -> datastore_pb2.RetrieveResponse:
-    resp = datastore_pb2.RetrieveResponse(
-        version=version,
-        match_length=result.match_length,
-        occurrences=result.occurrences,
-        sampled=result.sampled,
+def sparse_response(result: Retrieval, version: str) -> datastore_pb2.RetrieveResponse:
+    detail = datastore_pb2.SparseDetail(
+        match_length=result.match_length, occurrences=result.occurrences, sampled=result.sampled
     )
+    resp = datastore_pb2.RetrieveResponse(version=version, sparse=detail)
     for cand in result.candidates:
         msg = resp.candidates.add(tokens=cand.tokens, count=cand.count, prefix_counts=cand.counts)
         msg.score = cand.count / max(result.sampled, 1)
@@ -167,16 +167,20 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
         t0 = time.perf_counter()
         if self.draining:
             await self._abort(context, "Retrieve", grpc.StatusCode.UNAVAILABLE, "the shard is shutting down")
-        if len(request.embedding):
+        kind = request.WhichOneof("query")
+        if kind == "dense":
             return await self._retrieve_dense(request, context, t0)
+        if kind != "sparse":
+            message = "RetrieveRequest needs a query: sparse (context tokens) or dense (an embedding)"
+            await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, message)
         try:
-            cfg = retrieval_config(request, self.cfg.defaults)
+            cfg = sparse_config_from(request, self.cfg.defaults)
             store = self.state.version(request.version)
         except ValueError as exc:
             await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except VersionNotLoaded as exc:
             await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
-        tokens = np.asarray(request.context, dtype=np.int64)
+        tokens = np.asarray(request.sparse.context, dtype=np.int64)
         separator = int(store.manifest["separator"])
         if tokens.min() < 0 or tokens.max() >= separator:
             message = f"context token ids must lie in [0, {separator})"
@@ -188,7 +192,7 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
         self.metrics.latency.observe(time.perf_counter() - t0)
         self.metrics.candidates.observe(len(result.candidates))
         self.metrics.requests.labels("Retrieve", "OK").inc()
-        return to_response(result, version)
+        return sparse_response(result, version)
 
     async def _retrieve_dense(self, request: Any, context: Any, t0: float) -> datastore_pb2.RetrieveResponse:
         try:
@@ -201,17 +205,18 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
             await self._abort(context, "Retrieve", grpc.StatusCode.FAILED_PRECONDITION, message)
             return datastore_pb2.RetrieveResponse()  # not reached: abort raises
         separator = int(store.manifest["separator"])
-        query = np.asarray(request.embedding, dtype=np.float32)
+        dense = request.dense
+        query = np.asarray(dense.embedding, dtype=np.float32)
         try:
-            cfg = dense_config(request, self.cfg.dense_defaults, stats.dims)
+            cfg = dense_config_from(request, self.cfg.dense_defaults, stats.dims)
             if not np.isfinite(query).all():
                 raise ValueError("embedding has non-finite values")
-            if not 0 <= request.next_token < separator:
+            if not 0 <= dense.next_token < separator:
                 raise ValueError(f"next_token must lie in [0, {separator})")
         except ValueError as exc:
             await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            result, version = self.state.retrieve_dense(query, int(request.next_token), cfg, store.version)
+            result, version = self.state.retrieve_dense(query, int(dense.next_token), cfg, store.version)
         except VersionNotLoaded as exc:
             await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
         self.metrics.latency.observe(time.perf_counter() - t0)
@@ -327,7 +332,7 @@ class ShardServer:
         await self.server.stop(self.cfg.grace_seconds if grace is None else grace)
 
 
-def serve_forever(
+def serve_shard(
     state: ShardState, cfg: ShardServerConfig, ready: Callable[[int], None] | None = None
 ) -> None:
     """Run until SIGTERM / SIGINT, then drain."""

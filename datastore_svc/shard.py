@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from datastore_svc.dense import DenseConfig, DenseRetrieval
-from datastore_svc.retrieval import Retrieval, RetrievalConfig
+from datastore_svc.dense import DenseConfig
+from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
+from datastore_svc.retrieval import RetrievalConfig
 from datastore_svc.store import DatastoreError, DatastoreVersion
 
 
@@ -73,15 +74,22 @@ class ShardState:
             raise VersionNotLoaded(f"shard {self.index} does not hold version {name!r}")
         return found
 
-    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> SparseAnswer:
         store = self.version(version)
-        return store.retrieve(context, cfg), store.version
+        return SparseAnswer(store.retrieve(context, cfg), store.version)
+
+    def current_version(self) -> str:
+        return self.current.version
+
+    def dense_stats(self, version: str) -> DenseDescription:
+        store = self.version(version)
+        return DenseDescription(store.dense_stats, store.dense_model)
 
     def retrieve_dense(
         self, query: np.ndarray, next_token: int, cfg: DenseConfig, version: str = ""
-    ) -> tuple[DenseRetrieval, str]:
+    ) -> DenseAnswer:
         store = self.version(version)
-        return store.retrieve_dense(query, next_token, cfg), store.version
+        return DenseAnswer(store.retrieve_dense(query, next_token, cfg), store.version)
 
     def load(self, path: str) -> str:
         """Open a version of this shard beside the current one; its name. Errors leave all as is."""

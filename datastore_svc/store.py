@@ -45,6 +45,7 @@ from datastore_svc.dense import (
     index_to_gpu,
     merge_dense,
 )
+from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
 from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
 from specdraft.common import temp_sibling
@@ -137,7 +138,7 @@ def assign_shards(lengths: Sequence[int], shards: int) -> list[list[int]]:
     return [sorted(m) for m in members]
 
 
-def build_index(tokens: np.ndarray, separator: int) -> SuffixIndex:
+def build_suffix_index(tokens: np.ndarray, separator: int) -> SuffixIndex:
     return SuffixIndex.build(tokens, separator)
 
 
@@ -150,7 +151,7 @@ def shard_arrays(docs: Sequence[np.ndarray], separator: int) -> dict[str, np.nda
     tokens = np.full(int(lengths.sum()), separator, dtype=np.int32)
     for start, doc in zip(starts, docs, strict=True):
         tokens[start : start + len(doc)] = doc
-    index = build_index(tokens, separator)
+    index = build_suffix_index(tokens, separator)
     return {"tokens": index.tokens, "sa": index.sa, "docs": starts}
 
 
@@ -514,24 +515,25 @@ class DatastoreVersion:
 
 
 class LocalRetriever:
-    """The embedded datastore: every shard of one version, in this process (the ``Retriever`` protocol)."""
+    """The embedded datastore: every shard of one version, in this process (``protocols``:
+    ``SparseRetriever`` and ``DenseRetriever``)."""
 
     def __init__(self, version: DatastoreVersion) -> None:
         self.current = version
 
-    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> tuple[Retrieval, str]:
-        return self.current.retrieve(context, cfg), self.current.version
+    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> SparseAnswer:
+        return SparseAnswer(self.current.retrieve(context, cfg), self.current.version)
 
     def current_version(self) -> str:
         return self.current.version
 
-    def dense_stats(self, version: str) -> tuple[DenseStats | None, str]:
+    def dense_stats(self, version: str) -> DenseDescription:
         """(statistics of the version, its dense model fingerprint); None if it has no dense index."""
         if version and version != self.current.version:
             raise DatastoreError(f"version {version} is not loaded here (current: {self.current.version})")
-        return self.current.dense_stats, self.current.dense_model
+        return DenseDescription(self.current.dense_stats, self.current.dense_model)
 
     def retrieve_dense(
         self, query: np.ndarray, next_token: int, cfg: DenseConfig, version: str = ""
-    ) -> tuple[DenseRetrieval, str]:
-        return self.current.retrieve_dense(query, next_token, cfg), self.current.version
+    ) -> DenseAnswer:
+        return DenseAnswer(self.current.retrieve_dense(query, next_token, cfg), self.current.version)

@@ -7,8 +7,11 @@ computed from the cached keys and each head's query — no eager attention over 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,3 +79,35 @@ def calibrate_heads(
             if progress is not None:
                 progress(index + 1, len(prompts))
     return HeadsFile(info.name, info.fingerprint, tuple(rank_heads(hits, events)), events, len(prompts))
+
+
+def calibrate_to_file(
+    target: TargetModel,
+    tokenizer: Any,
+    texts: Sequence[str],
+    max_new_tokens: int,
+    out: Path | None = None,
+    ship: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[HeadsFile, Path]:
+    """Calibrate on ``texts`` (each one user turn of the chat template) and save the heads: to
+    ``out``; with ``ship``, into the package data (one file for every dtype of these weights);
+    else into the user cache, where ``pld+a`` looks first."""
+    from llm_worker.chat import chat_prompt_ids
+    from llm_worker.drafters.heads import save_heads, shipped_heads_path, user_heads_dir
+
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    heads = calibrate_heads(target, prompts, max_new_tokens, progress=progress)
+    if out is None:
+        out = (
+            shipped_heads_path(target.info.weights_id)
+            if ship
+            else user_heads_dir() / f"{target.info.fingerprint}.json"
+        )
+    return heads, save_heads(heads, out)
+
+
+def read_prompt_texts(path: Path) -> list[str]:
+    """Calibration prompts: one per non-empty line, plain text or JSON with a ``prompt`` field."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    return [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]

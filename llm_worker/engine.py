@@ -12,20 +12,20 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from llm_worker.config import EngineConfig, SamplingParams
-from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources
+from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
-from llm_worker.planner import CostCurve, DraftBudget, DraftPlanner, load_or_measure
+from llm_worker.planner import CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
+from llm_worker.results import GenerationResult, Provenance
 from llm_worker.sampling import make_generator, sample, warp_logits
 from llm_worker.stats import GenerationStats
-from llm_worker.types import NO_SOURCE, ArtifactNeeds, CopiedSpan, Draft, DraftTree, Provenance
+from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftTree
 from llm_worker.verify.steps import decider, verification_for
 
 NO_BUDGET = DraftBudget(0, 0)
@@ -48,16 +48,6 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_at_eos: bool = True
     draft_budget: int | None = None  # most draft tokens verified per step; None = the planner's choice
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # generated tokens only (an end-of-sequence token included)
-    mode: str
-    finish_reason: str  # "stop" (end-of-sequence token) or "length"
-    stats: GenerationStats
-    provenance: list[CopiedSpan]
-    datastore_version: str = ""  # the datastore version that drafted, if any
 
 
 @dataclass(frozen=True)
@@ -195,7 +185,7 @@ class Engine:
         with self._lock:
             if self._curve is None:
                 max_size = self.config.planner.max_draft_tokens + 1
-                self._curve = load_or_measure(self.target, self.config.cost, max_size)
+                self._curve = load_or_measure_curve(self.target, self.config.cost, max_size)
             return self._curve
 
     def runtime(self, mode: str) -> _ModeRuntime:
@@ -278,7 +268,7 @@ class Engine:
         assert logits is not None
         return logits
 
-    def _decode(self, req: GenerationRequest, rt: _ModeRuntime) -> Iterator[StepOutput | GenerationResult]:
+    def _decode(self, req: GenerationRequest, rt: _ModeRuntime) -> Generator[StepOutput | GenerationResult]:
         target, drafter, planner = self.target, rt.drafter, rt.planners[req.sampling.greedy]
         needs = drafter.needs
         sampling = req.sampling
@@ -296,7 +286,7 @@ class Engine:
         confidence = _top_probability(logits)
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
-        request_state: dict[str, Any] = {}
+        request_state = RequestState()
         yield StepOutput(out.emit([first], [NO_SOURCE], drafter.name))
 
         while not out.finish:
@@ -333,5 +323,5 @@ class Engine:
             yield StepOutput(emitted)
 
         stats.seconds = time.perf_counter() - began
-        version = str(request_state.get("datastore_version", ""))
+        version = request_state.datastore_version
         yield GenerationResult(out.generated, req.mode, out.finish, stats, out.provenance.spans, version)

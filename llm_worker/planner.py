@@ -136,7 +136,7 @@ def cost_cache_path(target: TargetModel) -> Path:
     return cache_root() / "cost" / (key.replace("/", "_").replace(":", "_") + ".json")
 
 
-def load_or_measure(target: TargetModel, cfg: CostConfig, max_size: int) -> CostCurve:
+def load_or_measure_curve(target: TargetModel, cfg: CostConfig, max_size: int) -> CostCurve:
     path = cost_cache_path(target)
     if cfg.cache and path.is_file():
         try:
@@ -196,8 +196,10 @@ class AcceptanceModel:
                 continue
             d = depth_bucket(depths[node])
             hit = 1.0 if outcome == Outcome.ACCEPTED else 0.0
-            for table, key in ((self.fine, (tree.feature(node), d, c)), (self.pooled, (d, c))):
-                entry = table.setdefault(key, [0.0, 0.0])  # type: ignore[attr-defined]
+            for entry in (
+                self.fine.setdefault((tree.feature(node), d, c), [0.0, 0.0]),
+                self.pooled.setdefault((d, c), [0.0, 0.0]),
+            ):
                 entry[0] = entry[0] * decay + hit
                 entry[1] = entry[1] * decay + 1.0
 
@@ -246,10 +248,6 @@ class DraftPlanner:
         self.cfg = cfg
         self.acceptance = AcceptanceModel(cfg)
         self._skipped = 0
-
-    def budget(self, remaining_tokens: int) -> int:
-        """Most draft tokens worth asking for: never more than can still be emitted."""
-        return self.step_budget(remaining_tokens).tree_nodes
 
     def step_budget(self, remaining_tokens: int, draft_budget: int | None = None) -> DraftBudget:
         """This step's ``DraftBudget``; ``draft_budget``: the request's own cap on draft tokens."""

@@ -28,11 +28,12 @@ from grpc_reflection.v1alpha import reflection
 
 from llm_worker import __version__
 from llm_worker.config import SamplingParams
-from llm_worker.engine import GenerationResult, StepOutput
+from llm_worker.engine import StepOutput
 from llm_worker.metrics import WorkerMetrics
 from llm_worker.registry import Registry, WorkerRecord
+from llm_worker.results import GenerationResult, to_response
 from llm_worker.worker import BadRequest, Worker, WorkRequest
-from specdraft.stubs import common_pb2, generation_pb2, generation_pb2_grpc
+from specdraft.stubs import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -76,41 +77,6 @@ def to_work_request(msg: generation_pb2.GenerateRequest) -> WorkRequest:
         draft_budget=msg.draft_budget,
         speculation_off=msg.speculation_off,
         ignore_eos=msg.ignore_eos,
-    )
-
-
-def to_response(
-    result: GenerationResult, text: str, prompt_tokens: int, worker_id: str
-) -> generation_pb2.GenerateResponse:
-    st = result.stats
-    stats = common_pb2.GenerationStats(
-        new_tokens=st.new_tokens,
-        target_forwards=st.target_forwards,
-        tau=st.tau,
-        acceptance_rate=st.acceptance_rate,
-        drafted_tokens=st.drafted_tokens,
-        accepted_tokens=st.accepted_tokens,
-        draft_seconds=st.draft_seconds,
-        verify_seconds=st.verify_seconds,
-        seconds=st.seconds,
-        tokens_per_second=st.tokens_per_second,
-    )
-    spans = [
-        common_pb2.CopiedSpan(
-            output_start=s.output_start, source_start=s.source_start, length=s.length, drafter=s.drafter
-        )
-        for s in result.provenance
-    ]
-    return generation_pb2.GenerateResponse(
-        text=text,
-        token_ids=result.token_ids,
-        mode=result.mode,
-        finish_reason=result.finish_reason,
-        prompt_tokens=prompt_tokens,
-        stats=stats,
-        provenance=spans,
-        worker_id=worker_id,
-        datastore_version=result.datastore_version,
     )
 
 
@@ -383,7 +349,7 @@ class WorkerServer:
         await self.server.wait_for_termination()
 
 
-def serve_forever(
+def serve_worker(
     worker: Worker, cfg: ServerConfig, ready: Any = None, registry: Registry | None = None
 ) -> None:
     """Run until SIGTERM / SIGINT, then drain gracefully."""

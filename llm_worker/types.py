@@ -15,7 +15,7 @@ Terms used throughout:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
@@ -276,54 +276,6 @@ class ArtifactNeeds:
     hidden_layers: frozenset[int] = frozenset()
     query_heads: tuple[tuple[int, int], ...] = ()
 
-    def merge(self, other: ArtifactNeeds) -> ArtifactNeeds:
-        heads = tuple(dict.fromkeys(self.query_heads + other.query_heads))
-        return ArtifactNeeds(self.hidden_layers | other.hidden_layers, heads)
-
     @property
     def empty(self) -> bool:
         return not self.hidden_layers and not self.query_heads
-
-
-@dataclass
-class CopiedSpan:
-    """Provenance of accepted draft tokens copied from the context.
-
-    Output tokens ``[output_start, output_start + length)`` (indices into the generated tokens)
-    were drafted by copying context tokens ``[source_start, source_start + length)`` (indices
-    into prompt + generated tokens) and accepted by the verifier.
-    """
-
-    output_start: int
-    source_start: int
-    length: int
-    drafter: str = ""
-
-    def to_json(self) -> dict[str, int | str]:
-        return {
-            "output_start": self.output_start,
-            "source_start": self.source_start,
-            "length": self.length,
-            "drafter": self.drafter,
-        }
-
-
-@dataclass
-class Provenance:
-    """Accumulates copied spans, merging a span that continues the previous one."""
-
-    spans: list[CopiedSpan] = field(default_factory=list)
-
-    def add(self, output_index: int, source: int, drafter: str) -> None:
-        if source < 0:
-            return
-        last = self.spans[-1] if self.spans else None
-        if (
-            last is not None
-            and last.drafter == drafter
-            and last.output_start + last.length == output_index
-            and last.source_start + last.length == source
-        ):
-            last.length += 1
-        else:
-            self.spans.append(CopiedSpan(output_index, source, 1, drafter))

@@ -14,7 +14,8 @@ from typing import Any
 from llm_worker.chat import chat_prompt_ids, prompt_ids
 from llm_worker.config import SamplingParams
 from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
-from llm_worker.engine import Engine, GenerationRequest, GenerationResult, InvalidRequestError, StepOutput
+from llm_worker.engine import Engine, GenerationRequest, InvalidRequestError, StepOutput
+from llm_worker.results import GenerationResult
 
 CHAT_ROLES = ("system", "user", "assistant")
 

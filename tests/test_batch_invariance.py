@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
 
+from helpers.models import tiny_model
 from llm_worker.config import ModelConfig
 from llm_worker.model import kernels, wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
@@ -215,7 +215,7 @@ def test_choice_is_the_fastest_invariant_kernel_on_fake_timings() -> None:
 
 
 def test_measure_checks_invariance_and_times_only_invariant_candidates(monkeypatch) -> None:
-    """measure() on fake verdicts and a fake clock: the verdicts gate the timing, the timings
+    """measure_kernels() on fake verdicts and a fake clock: the verdicts gate the timing, the timings
     decide, per GEMM role; nothing depends on this machine."""
     monkeypatch.setattr(
         kernels, "candidates", lambda d, t: [Kernel("aten", 1), Kernel("onednn", 2), Kernel("onednn", 4)]
@@ -236,7 +236,7 @@ def test_measure_checks_invariance_and_times_only_invariant_candidates(monkeypat
     w, narrow = torch.zeros(8, 4), torch.zeros(4, 3)
     weights = {"qkv": [(w, None)] * 2, "o": [(w, None)] * 2, "gate_up": [(w, None)] * 2}
     weights |= {"down": [(narrow, None)] * 2, "lm_head": [(torch.zeros(16, 4), None)]}
-    report = kernels.measure(weights, torch.device("cpu"), torch.float32)
+    report = kernels.measure_kernels(weights, torch.device("cpu"), torch.float32)
     assert report.invariant["qkv"] == {"aten:1": False, "onednn:2": True, "onednn:4": True}
     assert set(report.seconds["qkv"]) == {"onednn:2", "onednn:4"}
     assert report.chosen == {
@@ -248,7 +248,12 @@ def test_measure_checks_invariance_and_times_only_invariant_candidates(monkeypat
 
 
 CACHED = dict.fromkeys(kernels.ROLES, "aten:4")
-LOAD_ARGS = ("fp", {}, torch.device("cpu"), torch.float32)  # load_or_measure's (fingerprint, weights, ...)
+LOAD_ARGS = (
+    "fp",
+    {},
+    torch.device("cpu"),
+    torch.float32,
+)  # load_or_measure_kernels's (fingerprint, weights, ...)
 
 
 @pytest.fixture
@@ -261,18 +266,18 @@ def measure_calls(tmp_path, monkeypatch) -> list[int]:
         calls.append(1)
         return KernelReport(dict(CACHED), {r: {"aten:4": True} for r in CACHED}, {})
 
-    monkeypatch.setattr(kernels, "measure", fake_measure)
+    monkeypatch.setattr(kernels, "measure_kernels", fake_measure)
     return calls
 
 
 def test_kernel_choice_is_cached_and_a_corrupt_cache_is_remeasured(measure_calls) -> None:
-    assert kernels.load_or_measure(*LOAD_ARGS).chosen == CACHED
-    again = kernels.load_or_measure(*LOAD_ARGS)
+    assert kernels.load_or_measure_kernels(*LOAD_ARGS).chosen == CACHED
+    again = kernels.load_or_measure_kernels(*LOAD_ARGS)
     assert (again.chosen, again.measured, len(measure_calls)) == (CACHED, False, 1)
     path = kernels.cache_path("fp", "float32", "cpu")
     assert json.loads(path.read_text())["chosen"] == CACHED
     path.write_text("{not json")
-    assert kernels.load_or_measure(*LOAD_ARGS).chosen == CACHED
+    assert kernels.load_or_measure_kernels(*LOAD_ARGS).chosen == CACHED
     assert len(measure_calls) == 2
 
 
@@ -281,7 +286,7 @@ def test_kernel_choices_of_another_processor_are_not_reused(measure_calls, monke
     node must not hand one's verdicts to the other."""
     for cpu in ("intel", "amd", "intel"):
         monkeypatch.setattr(kernels, "machine_id", lambda device, cpu=cpu: cpu)
-        kernels.load_or_measure(*LOAD_ARGS)
+        kernels.load_or_measure_kernels(*LOAD_ARGS)
     assert len(measure_calls) == 2
 
 

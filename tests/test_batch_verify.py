@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import greedy_tokens, tiny_model
 from scipy import stats
-from test_lossless_tiny import FLAT_CURVE, SAMPLES, VOCAB, chi_square_p, prompts, sample_counts
-from test_rest import CPU_CURVE, datastore_for, own_samples_engine, rest_engine
 
+from helpers.datastores import datastore_engine, datastore_for, own_samples_engine
+from helpers.models import CPU_LIKE_CURVE, FLAT_CURVE, DraftTally, greedy_tokens, prompts, tiny_model
+from helpers.stats import SAMPLES, chi_square_p, exact_distribution, sample_counts
 from llm_worker.config import ModelConfig, PlannerConfig, SamplingParams
 from llm_worker.engine import GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
 from llm_worker.model.target import SequenceState, TargetModel
 from llm_worker.planner import CostCurve, DraftPlanner
-from llm_worker.sampling import warp_logits
 from llm_worker.types import ArtifactNeeds, DraftBatch, DraftTree
 from llm_worker.verify import steps
 from llm_worker.verify.batch import chosen_row, trie_logits
@@ -262,7 +260,7 @@ def test_rest_batch_drafts_and_accepts_in_distribution(spy: SpyBatchVerification
     for backend in ("fast", "hf"):
         target = wrap_model(model, None, ModelConfig(backend=backend))
         retriever = retriever or datastore_for(target, tmp_path / "v3")
-        engine = rest_engine(target, retriever, CPU_CURVE)
+        engine = datastore_engine(target, retriever, CPU_LIKE_CURVE)
         for prompt in prompts(target.info.vocab_size)[:2]:
             spy.steps.clear()
             res = engine.generate(GenerationRequest(tuple(prompt), 48, "rest-batch"))
@@ -270,11 +268,14 @@ def test_rest_batch_drafts_and_accepts_in_distribution(spy: SpyBatchVerification
             assert res.datastore_version == "v3"
             assert res.stats.drafted_tokens == sum(tokens for _, tokens, _ in spy.steps)
             assert res.stats.accepted_tokens > 0 and res.stats.tau > 3.0, (backend, res.stats)
-    engine = rest_engine(target, retriever, FLAT_CURVE)
+    engine = datastore_engine(target, retriever, FLAT_CURVE)
     spy.steps.clear()
+    tally = DraftTally()
     for prompt in prompts(target.info.vocab_size)[::5]:
         res = engine.generate(GenerationRequest(tuple(prompt[:10]), 48, "rest-batch"))
         assert res.token_ids == greedy_tokens(engine, prompt[:10], "ar", 48)
+        tally.observe("rest-batch", res.stats)
+    tally.assert_every_mode_drafted_and_accepted("flat curve")
     assert sum(rows > 1 for rows, _, _ in spy.steps) > 10 and sum(row > 0 for _, _, row in spy.steps) > 5
 
 
@@ -285,29 +286,13 @@ def test_the_engine_dispatches_on_the_draft_type() -> None:
         steps.verification_for((1, 2))  # type: ignore[arg-type]
 
 
-def exact_distribution_of(
-    model: Any, prompt: list[int], params: SamplingParams, new: int
-) -> dict[tuple[int, ...], float]:
-    """P(continuation) for every continuation of ``new`` tokens (``exact_distribution`` for any length)."""
-    prefixes = list(itertools.product(range(VOCAB), repeat=new - 1))
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, len(prompt) - 1 :]
-    probs = warp_logits(logits.reshape(-1, VOCAB), params).reshape(len(prefixes), new, VOCAB)
-    dist = {}
-    for b, prefix in enumerate(prefixes):
-        p_prefix = float(np.prod([float(probs[b, i, t]) for i, t in enumerate(prefix)]))
-        for last in range(VOCAB):
-            dist[(*prefix, last)] = p_prefix * float(probs[b, new - 1, last])
-    return dist
-
-
 def test_sampling_rest_batch_matches_exact_distribution(spy: SpyBatchVerification, tmp_path: Path) -> None:
     """χ² against enumeration, 4 new tokens (so that a step can accept 2), on a datastore of the
     model's own samples: many rows, shared prefixes, accepted paths from rows other than the first."""
     new = 4
     params = SamplingParams(temperature=1.0, top_k=4)
     model, engine, prompt = own_samples_engine(tmp_path, params)
-    dist = exact_distribution_of(model, prompt, params, new)
+    dist = exact_distribution(model, prompt, params, new)
     counts, _, accepted = sample_counts(engine, prompt, "rest-batch", params, new)
     p = chi_square_p(counts, dist, SAMPLES)
     multi = sum(1 for rows, _, _ in spy.steps if rows > 1)

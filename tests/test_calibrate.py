@@ -1,9 +1,9 @@
 """Induction-head calibration and ``pld+a`` against a model whose induction head is known.
 
-``induction_model`` is a hand-built 2-layer Llama (see ``tests/induction_model.py``) whose only
-induction head is layer 1, head 1. Calibration must find exactly that head, and ``pld+a``
-reading it must copy losslessly with a high τ. ``copy_source`` and ``rank_heads`` are also
-tested directly on small hand examples.
+``induction_model`` is a hand-built 2-layer Llama (see ``tests/helpers/induction_model.py``)
+whose only induction head is layer 1, head 1. Calibration must find exactly that head, and
+``pld+a`` reading it must copy losslessly with a high τ. ``copy_source`` and ``rank_heads`` are
+also tested directly on small hand examples.
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ from typing import Literal
 import numpy as np
 import pytest
 import torch
-from conftest import engine_for, greedy_tokens
-from induction_model import induction_model
 
+from helpers.induction_model import induction_model
+from helpers.models import FLAT_CURVE, engine_for, greedy_tokens
 from llm_worker.calibrate import calibrate_heads
 from llm_worker.config import ModelConfig
 from llm_worker.drafters.heads import HeadScore, copy_source, load_heads, rank_heads, save_heads
 from llm_worker.engine import GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.model.target import TargetModel
-from llm_worker.planner import CostCurve
 
 VOCAB = 16
-FLAT_CURVE = CostCurve.linear(0.05, 0.0)  # GPU-like: the planner verifies every node it gets
 
 
 def induction_target(backend: Literal["fast", "hf"] = "fast") -> TargetModel:
@@ -155,6 +153,7 @@ def test_pld_a_with_the_calibrated_head_is_lossless_and_copies(tmp_path: Path) -
     mode = f"pld+a:file={path}:heads=1"
     result = engine.generate(GenerationRequest(tuple(prompt), 40, mode))
     assert result.token_ids == reference
+    assert result.stats.drafted_tokens > 0 and result.stats.accepted_tokens > 0, result.stats
     assert result.stats.tau > 2.0, result.stats
     assert result.provenance
     context = prompt + result.token_ids  # what source indices point into

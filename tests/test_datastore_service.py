@@ -3,13 +3,11 @@ loss, version swaps under load, refusal of bad versions, and the CLI."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,55 +16,29 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import assert_greedy_identical, engine_for, greedy_tokens, tiny_target
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_lossless_tiny import FLAT_CURVE, prompts
-from test_rest import datastore_for, rest_engine
 
 from client.cli import main
 from datastore_svc.fanout import RemoteDatastore, swap_all
 from datastore_svc.retrieval import RetrievalConfig
-from datastore_svc.server import ShardServer, ShardServerConfig
 from datastore_svc.shard import ShardState
 from datastore_svc.store import DatastoreVersion, write_version
+from helpers.datastores import datastore_engine, datastore_for, tiny_identity
+from helpers.models import (
+    FLAT_CURVE,
+    DraftTally,
+    assert_greedy_identical,
+    engine_for,
+    greedy_tokens,
+    prompts,
+    tiny_target,
+)
+from helpers.servers import ShardThread, SlowShard, retrieve_request, wait_until
 from llm_worker.engine import GenerationRequest
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 VOCAB = 96
-IDENTITY = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
-
-
-class ShardThread:
-    """A ShardServer on its own event loop in a background thread."""
-
-    def __init__(self, state: ShardState) -> None:
-        self.state = state
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def make() -> ShardServer:
-            server = ShardServer(state, ShardServerConfig(port=0))
-            await server.start()
-            return server
-
-        self.server = asyncio.run_coroutine_threadsafe(make(), self.loop).result(30)
-        self.address = f"127.0.0.1:{self.server.port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-class SlowShard(ShardState):
-    """Answers, but only after ``delay`` seconds — past any sensible deadline."""
-
-    delay = 0.5
-
-    def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> Any:
-        time.sleep(self.delay)
-        return super().retrieve(context, cfg, version)
+IDENTITY = tiny_identity(VOCAB)
 
 
 def random_docs(seed: int, count: int = 30) -> list[np.ndarray]:
@@ -95,7 +67,7 @@ CFG = RetrievalConfig(c_max=8, max_length=6, max_nodes=40, max_candidates=40)
 
 def test_remote_retrieval_equals_in_process(shards: list[ShardThread], versions: Path) -> None:
     local = DatastoreVersion(versions / "v1")
-    remote = RemoteDatastore([s.address for s in shards], deadline=5.0)
+    remote = RemoteDatastore([s.address for s in shards], deadline_seconds=5.0)
     rng = np.random.default_rng(0)
     for _ in range(20):
         context = rng.integers(0, 6, size=8)
@@ -130,9 +102,9 @@ def test_bad_retrieve_requests_get_precise_statuses(
     with grpc.insecure_channel(shards[0].address) as channel:
         stub = datastore_pb2_grpc.DatastoreStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            stub.Retrieve(datastore_pb2.RetrieveRequest(**request_kw), timeout=5)
+            stub.Retrieve(retrieve_request(**request_kw), timeout=5)
         assert err.value.code() == code
-        assert stub.Retrieve(datastore_pb2.RetrieveRequest(context=[1, 2]), timeout=5).version == "v1"
+        assert stub.Retrieve(retrieve_request(context=[1, 2]), timeout=5).version == "v1"
 
 
 def test_generation_survives_a_killed_and_a_slow_shard(tmp_path: Path) -> None:
@@ -144,16 +116,16 @@ def test_generation_survives_a_killed_and_a_slow_shard(tmp_path: Path) -> None:
     servers = [ShardThread(s) for s in (*states, slow)]
     try:
         servers[1].stop()  # killed: connection refused from now on
-        remote = RemoteDatastore([s.address for s in servers], deadline=0.1)
-        engine = rest_engine(target, remote, FLAT_CURVE)  # type: ignore[arg-type]
+        remote = RemoteDatastore([s.address for s in servers], deadline_seconds=0.1)
+        engine = datastore_engine(target, remote)
         ref_engine = engine_for(target, FLAT_CURVE)
-        drafted = 0
+        tally = DraftTally()
         for i, prompt in enumerate(prompts(VOCAB)):
             ref = greedy_tokens(ref_engine, prompt, "ar", 40)
             res = engine.generate(GenerationRequest(tuple(prompt), 40, "rest"))
             assert_greedy_identical(target, prompt, ref, res.token_ids, f"shard loss/prompt{i}")
-            drafted += res.stats.drafted_tokens
-        assert drafted > 0  # the healthy shard still drafted
+            tally.observe("rest", res.stats)
+        tally.assert_every_mode_drafted_and_accepted("shard loss")  # the healthy shard still drafted
         assert remote.failures[servers[1].address] > 0 and remote.failures[servers[2].address] > 0
     finally:
         for s in (servers[0], servers[2]):
@@ -162,7 +134,7 @@ def test_generation_survives_a_killed_and_a_slow_shard(tmp_path: Path) -> None:
 
 def test_swap_under_concurrent_load_never_mixes_versions(shards: list[ShardThread]) -> None:
     addresses = [s.address for s in shards]
-    remote = RemoteDatastore(addresses, deadline=5.0)
+    remote = RemoteDatastore(addresses, deadline_seconds=5.0)
     stop = threading.Event()
     seen: list[list[str]] = []
 
@@ -180,12 +152,17 @@ def test_swap_under_concurrent_load_never_mixes_versions(shards: list[ShardThrea
             seen.append(versions)
         return calls
 
+    def requests_pinned_to(version: str) -> int:
+        return sum(v[0] == version for v in list(seen))
+
     with ThreadPoolExecutor(4) as pool:
         loops = [pool.submit(request_loop, i) for i in range(4)]
-        time.sleep(0.5)
-        swapped = swap_all(addresses, "v2")
-        time.sleep(0.5)
-        stop.set()
+        try:
+            wait_until(lambda: requests_pinned_to("v1") >= 8, what="requests run on v1 before the swap")
+            swapped = swap_all(addresses, "v2")
+            wait_until(lambda: requests_pinned_to("v2") >= 8, what="requests run on v2 after the swap")
+        finally:
+            stop.set()
         calls = sum(f.result() for f in loops)  # raises if any call failed
     assert swapped == [("v1", "v2"), ("v1", "v2")]
     assert calls > 20 and sum(remote.failures.values()) == 0
@@ -212,7 +189,7 @@ def test_bad_versions_are_refused_while_the_current_one_serves(
     for path, reason in [(bad, "checksum"), (other, "another tokenizer"), (partial, "manifest")]:
         with pytest.raises(RuntimeError, match=reason):
             swap_all(addresses, str(path))
-    remote = RemoteDatastore(addresses, deadline=5.0)
+    remote = RemoteDatastore(addresses, deadline_seconds=5.0)
     _, version = remote.retrieve(np.array([1, 2, 3]), CFG)
     assert version == "v1" and [i.version for i in remote.info()] == ["v1", "v1"]
     with grpc.insecure_channel(addresses[0]) as channel:

@@ -10,17 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import engine_for, tiny_model
-from test_lossless_tiny import (
-    FLAT_CURVE,
-    SAMPLES,
-    VOCAB,
-    chi_square_p,
-    exact_distribution,
-    prompts,
-    sample_counts,
-)
-from test_rest import BACKEND_CASES, BACKEND_IDS
 
 from datastore_svc.dense import (
     DenseConfig,
@@ -28,7 +17,7 @@ from datastore_svc.dense import (
     DenseIndex,
     DenseStats,
     IndexParams,
-    build_index,
+    build_faiss_index,
     choose_kind,
     dense_retrieve,
     drafts_from_hits,
@@ -46,9 +35,12 @@ from datastore_svc.store import (
     derive_version,
     write_version,
 )
-from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig, SamplingParams
+from helpers.datastores import datastore_engine, dense_version, own_continuations, own_samples, tiny_identity
+from helpers.models import BACKEND_CASES, BACKEND_IDS, DraftTally, prompts, tiny_model
+from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution, sample_counts
+from llm_worker.config import ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError
-from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.engine import GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.planner import CostCurve
 
@@ -114,7 +106,7 @@ def test_approximate_indexes_recall_exact_search(kind: str, floor: float, tmp_pa
     stats = fit_stats(hidden_like(20_000), 16)
     keys = stats.project(hidden_like(20_000))
     queries = stats.project(hidden_like(200, seed=3))
-    index = build_index(keys, kind, IndexParams(pq_bytes=8))
+    index = build_faiss_index(keys, kind, IndexParams(pq_bytes=8))
     faiss.write_index(index, str(tmp_path / "i.faiss"))  # what a shard reads back
     dense = DenseIndex(faiss.read_index(str(tmp_path / "i.faiss")), np.arange(len(keys)))
     _, approx = dense.search(queries, 10)
@@ -171,7 +163,7 @@ def test_dense_retrieval_equals_a_brute_force_scan() -> None:
     starts = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])[:-1]])
     pos = key_positions(tokens, SEP)
     keys = fit_stats(hidden_like(len(pos), 24), 12).project(hidden_like(len(pos), 24))
-    dense = DenseIndex(build_index(keys, "flat"), pos)
+    dense = DenseIndex(build_faiss_index(keys, "flat"), pos)
     stored = dense.keys()  # float16-rounded: what the index compares against
     cfg = DenseConfig(top_k=40, max_candidates=5, max_length=6)
     for trial in range(30):
@@ -199,33 +191,6 @@ def test_dense_retrieval_equals_a_brute_force_scan() -> None:
 
 
 # -- versions on disk ---------------------------------------------------------------------------
-
-
-def own_continuations(model, target, n_prompts: int = 4, new: int = 48) -> list[np.ndarray]:
-    """The model's own greedy continuations of the test prompts plus random documents."""
-    engine = engine_for(target, FLAT_CURVE)
-    docs = []
-    for prompt in prompts(VOCAB)[:n_prompts]:
-        res = engine.generate(GenerationRequest(tuple(prompt), new, "ar", stop_at_eos=False))
-        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
-    rng = np.random.default_rng(1)
-    docs += [rng.integers(0, VOCAB, size=40).astype(np.int32) for _ in range(8)]
-    return docs
-
-
-def dense_version(model, target, path: Path, docs, shards: int = 2, **cfg) -> DatastoreVersion:
-    options = {
-        "dims": 16,
-        "window": 32,
-        "overlap": 8,
-        "chunk_tokens": 120,
-        "cache_dir": path.parent / "hidden",
-    }
-    build_cfg = DenseBuildConfig(**{**options, **cfg})
-    extend = dense_step(model, "tiny", target.info.weights_id, build_cfg, progress=False)
-    identity = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
-    write_version(docs, path, VOCAB, identity, shards=shards, extend=extend)
-    return DatastoreVersion(path)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +221,7 @@ def test_batched_windows_compute_the_states_of_one_pass(tiny, tmp_path: Path) ->
 
 def test_dense_version_builds_reuses_cached_states_and_rebuilds_other_dims(tiny, tmp_path: Path) -> None:
     model, target = tiny
-    docs = own_continuations(model, target)
+    docs = own_continuations(target)
     v1 = dense_version(model, target, tmp_path / "v1", docs)
     dense = v1.manifest["dense"]
     assert dense["keys"] == sum(len(d) - 1 for d in docs) and dense["dims"] == 16
@@ -283,7 +248,7 @@ def test_dense_version_builds_reuses_cached_states_and_rebuilds_other_dims(tiny,
 
 def test_corrupt_dense_parts_are_refused(tiny, tmp_path: Path) -> None:
     model, target = tiny
-    dense_version(model, target, tmp_path / "v", own_continuations(model, target, 2), shards=1)
+    dense_version(model, target, tmp_path / "v", own_continuations(target, 2), shards=1)
     for name, damage in [("dense.faiss", b"garbage"), ("positions.npy", None)]:
         bad = tmp_path / f"bad-{name}"
         shutil.copytree(tmp_path / "v", bad)
@@ -304,9 +269,8 @@ def test_corrupt_dense_parts_are_refused(tiny, tmp_path: Path) -> None:
 
 def test_dresd_needs_a_dense_index_of_this_model(tiny, tmp_path: Path) -> None:
     model, target = tiny
-    docs = own_continuations(model, target, 2)
-    identity = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
-    write_version(docs, tmp_path / "sparse", VOCAB, identity)
+    docs = own_continuations(target, 2)
+    write_version(docs, tmp_path / "sparse", VOCAB, tiny_identity(VOCAB))
     sparse = DraftResources(LocalRetriever(DatastoreVersion(tmp_path / "sparse")))
     with pytest.raises(ModeUnavailableError, match="no dense index"):
         DRAFTERS.create("dresd", target, sparse)
@@ -327,22 +291,17 @@ DRESD_MODES = ["dresd", "dresd:d=5:l=4:k=16", "dresd-batch", "dresd-batch:d=2:l=
 def test_greedy_dresd_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_path: Path) -> None:
     model = tiny_model(kind, vocab=VOCAB, seed=0)
     target = wrap_model(model, None, ModelConfig(backend=backend))
-    version = dense_version(model, target, tmp_path / "v", own_continuations(model, target))
-    engine = Engine(
-        target,
-        EngineConfig(planner=PlannerConfig()),
-        curve=curve,
-        resources=DraftResources(LocalRetriever(version)),
-    )
-    drafted = 0
+    version = dense_version(model, target, tmp_path / "v", own_continuations(target))
+    engine = datastore_engine(target, LocalRetriever(version), curve)
+    tally = DraftTally()
     for prompt in prompts(VOCAB):
         ref = engine.generate(GenerationRequest(tuple(prompt), 40, "ar", stop_at_eos=False)).token_ids
         for mode in DRESD_MODES:
             res = engine.generate(GenerationRequest(tuple(prompt), 40, mode, stop_at_eos=False))
             assert res.token_ids == ref, f"{kind}/{backend}/{mode}: differs from ar on {prompt}"
             assert res.datastore_version == "v"
-            drafted += res.stats.accepted_tokens
-    assert drafted > 0, "dresd never had a draft accepted: the test would prove nothing"
+            tally.observe(mode, res.stats)
+    tally.assert_every_mode_drafted_and_accepted(f"{kind}/{backend}")
 
 
 @pytest.mark.parametrize(
@@ -357,24 +316,15 @@ def test_sampling_dresd_matches_exact_distribution(mode: str, params: SamplingPa
     model = tiny_model("llama", vocab=VOCAB, seed=3)
     target = wrap_model(model, None, ModelConfig(backend="fast"))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    ar = Engine(target, curve=FLAT_CURVE)
-    docs = []
-    for seed in range(40):  # the model's own samples: drafts often right, siblings common
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=10_000 + seed)
-        res = ar.generate(GenerationRequest(tuple(prompt), 6, "ar", sp, stop_at_eos=False))
-        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
+    docs = own_samples(target, prompt, params)  # drafts often right, siblings common
     version = dense_version(model, target, tmp_path / "v", docs, shards=1)
-    engine = Engine(
-        target,
-        EngineConfig(planner=PlannerConfig()),
-        curve=FLAT_CURVE,
-        resources=DraftResources(LocalRetriever(version)),
-    )
+    engine = datastore_engine(target, LocalRetriever(version))
     dist = exact_distribution(model, prompt, params)
-    counts, drafted, _ = sample_counts(engine, prompt, mode, params)
+    counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert drafted > SAMPLES // 4, f"{mode} hardly drafted ({drafted}); the test would prove nothing"
+    assert accepted > 0, f"{mode}: no draft was ever accepted; the test would prove nothing"
 
 
 # -- intrinsic evaluation -----------------------------------------------------------------------
@@ -401,7 +351,7 @@ def test_eval_finds_the_keys_of_seen_text(tiny, tmp_path: Path) -> None:
     from client.bench.dense_eval import evaluate
 
     model, target = tiny
-    docs = own_continuations(model, target, 3)
+    docs = own_continuations(target, 3)
     version = dense_version(model, target, tmp_path / "v", docs, shards=2)
     states = HiddenStates(
         model, target.info.weights_id, DenseBuildConfig(window=32, overlap=8, cache_dir=tmp_path / "hidden")
@@ -419,6 +369,6 @@ def test_a_gpu_index_without_faiss_gpu_is_a_clear_error(tiny, tmp_path: Path) ->
     if faiss_gpus() > 0:
         pytest.skip("this machine has a FAISS GPU")
     model, target = tiny
-    dense_version(model, target, tmp_path / "v", own_continuations(model, target, 1), shards=1)
+    dense_version(model, target, tmp_path / "v", own_continuations(target, 1), shards=1)
     with pytest.raises(DatastoreError, match="faiss-gpu"):
         DatastoreVersion(tmp_path / "v", faiss_gpu=0)

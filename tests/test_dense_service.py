@@ -9,11 +9,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import tiny_model
-from test_datastore_service import ShardThread, SlowShard
-from test_dense import dense_version, own_continuations
-from test_lossless_tiny import FLAT_CURVE, VOCAB, prompts
-from test_registry import RedisServer
 
 from datastore_svc.cache import QueryCache, RedisLink, StatsCache
 from datastore_svc.dense import DenseConfig
@@ -21,11 +16,14 @@ from datastore_svc.fanout import RemoteDatastore
 from datastore_svc.server import ShardServer, ShardServerConfig
 from datastore_svc.shard import ShardState
 from datastore_svc.store import DatastoreVersion, LocalRetriever, write_version
-from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig
-from llm_worker.drafters import DraftResources
+from helpers.datastores import datastore_engine, dense_version, own_continuations, tiny_identity
+from helpers.models import FLAT_CURVE, DraftTally, prompts, tiny_model
+from helpers.servers import RedisServer, ShardThread, SlowShard, retrieve_request
+from helpers.stats import VOCAB
+from llm_worker.config import ModelConfig
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
-from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
+from specdraft.stubs import datastore_pb2_grpc
 
 pytestmark = pytest.mark.redis
 CFG = DenseConfig(top_k=32, max_candidates=3, max_length=8)
@@ -37,7 +35,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("dense-service")
     model = tiny_model("llama", vocab=VOCAB, seed=0)
     target = wrap_model(model, None, ModelConfig(backend="fast"))
-    version = dense_version(model, target, root / "v", own_continuations(model, target), shards=2)
+    version = dense_version(model, target, root / "v", own_continuations(target), shards=2)
     ar = Engine(target, curve=FLAT_CURVE)
     refs = [
         ar.generate(GenerationRequest(tuple(p), 40, "ar", stop_at_eos=False)).token_ids
@@ -59,20 +57,11 @@ def queries_of(version: DatastoreVersion, n: int = 20) -> list[tuple[np.ndarray,
     return out
 
 
-def engine_with(target, retriever, **resources) -> Engine:
-    return Engine(
-        target,
-        EngineConfig(planner=PlannerConfig()),
-        curve=FLAT_CURVE,
-        resources=DraftResources(retriever, **resources),
-    )
-
-
 def test_remote_dense_retrieval_equals_in_process(setup) -> None:
     _, _, version, root, _ = setup
     servers = [ShardThread(ShardState.open(root / "v", i)) for i in range(2)]
     try:
-        remote = RemoteDatastore([s.address for s in servers], deadline=5.0)
+        remote = RemoteDatastore([s.address for s in servers], deadline_seconds=5.0)
         assert remote.current_version() == "v"
         stats, model = remote.dense_stats("v")
         assert stats is not None and stats.digest() == version.dense_stats.digest()
@@ -93,8 +82,8 @@ def test_remote_dense_retrieval_equals_in_process(setup) -> None:
 
 def test_bad_dense_requests_get_precise_statuses(setup, tmp_path: Path) -> None:
     _, _, version, root, _ = setup
-    identity = {"name": "tiny", "vocab_size": VOCAB, "fingerprint": "tiny"}
-    write_version([np.arange(20, dtype=np.int32) % VOCAB], tmp_path / "sparse", VOCAB, identity)
+    docs = [np.arange(20, dtype=np.int32) % VOCAB]
+    write_version(docs, tmp_path / "sparse", VOCAB, tiny_identity(VOCAB))
     dense, sparse = (
         ShardThread(ShardState.open(root / "v", 0)),
         ShardThread(ShardState.open(tmp_path / "sparse", 0)),
@@ -125,10 +114,10 @@ def test_bad_dense_requests_get_precise_statuses(setup, tmp_path: Path) -> None:
             with grpc.insecure_channel(server.address) as channel:
                 stub = datastore_pb2_grpc.DatastoreStub(channel)
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.Retrieve(datastore_pb2.RetrieveRequest(**fields), timeout=10)
+                    stub.Retrieve(retrieve_request(**fields), timeout=10)
                 assert err.value.code() == code and words in err.value.details(), fields
                 # and the shard keeps serving
-                good = stub.Retrieve(datastore_pb2.RetrieveRequest(context=[1, 2]), timeout=10)
+                good = stub.Retrieve(retrieve_request(context=[1, 2]), timeout=10)
                 assert good.version in ("v", "sparse")
     finally:
         dense.stop()
@@ -137,42 +126,27 @@ def test_bad_dense_requests_get_precise_statuses(setup, tmp_path: Path) -> None:
 
 def test_generation_survives_a_killed_and_a_slow_dense_shard(setup, tmp_path: Path) -> None:
     model, target, _, _, refs = setup
-    version = dense_version(model, target, tmp_path / "v3", own_continuations(model, target), shards=3)
+    version = dense_version(model, target, tmp_path / "v3", own_continuations(target), shards=3)
     assert version.num_shards == 3
 
-    class SlowDense(SlowShard):
-        def retrieve_dense(self, *args, **kwargs):
-            import time
-
-            time.sleep(self.delay)
-            return super().retrieve_dense(*args, **kwargs)
-
     healthy, killed = ShardState.open(tmp_path / "v3", 0), ShardState.open(tmp_path / "v3", 1)
-    slow = SlowDense(DatastoreVersion(tmp_path / "v3", shards=[2]), 2)
+    slow = SlowShard(DatastoreVersion(tmp_path / "v3", shards=[2]), 2)
     servers = [ShardThread(s) for s in (healthy, killed, slow)]
     try:
         servers[1].stop()
-        remote = RemoteDatastore([s.address for s in servers], deadline=0.1)
-        engine = engine_with(target, remote)
-        drafted = 0
+        remote = RemoteDatastore([s.address for s in servers], deadline_seconds=0.1)
+        engine = datastore_engine(target, remote)
+        tally = DraftTally()
         for prompt, ref in zip(prompts(VOCAB), refs, strict=True):
             for mode in ("dresd", "dresd-batch"):
                 res = engine.generate(GenerationRequest(tuple(prompt), 40, mode, stop_at_eos=False))
                 assert res.token_ids == ref, f"{mode} differs from ar with shards lost"
-                drafted += res.stats.drafted_tokens
-        assert drafted > 0
+                tally.observe(mode, res.stats)
+        tally.assert_every_mode_drafted_and_accepted("shard loss")  # the healthy shard still drafted
         assert remote.failures[servers[1].address] > 0 and remote.failures[servers[2].address] > 0
     finally:
         servers[0].stop()
         servers[2].stop()
-
-
-@pytest.fixture()
-def redis_server():
-    server = RedisServer()
-    yield server
-    if server.proc.poll() is None:
-        server.stop()
 
 
 def test_stats_are_published_to_redis_and_read_back(setup, redis_server: RedisServer) -> None:
@@ -207,7 +181,7 @@ def test_query_cache_hits_return_identical_drafts(setup, redis_server: RedisServ
     def worker() -> tuple[Engine, QueryCache]:
         link = RedisLink(redis_server.url)
         queries = QueryCache(link, ttl=60)
-        return engine_with(
+        return datastore_engine(
             target, LocalRetriever(version), dense_stats=StatsCache(link), dense_queries=queries
         ), queries
 
@@ -226,6 +200,7 @@ def test_query_cache_hits_return_identical_drafts(setup, redis_server: RedisServ
     finally:
         LocalRetriever.retrieve_dense = original  # type: ignore[method-assign]
     assert again.token_ids == first.token_ids == refs[0]
+    assert first.stats.drafted_tokens > 0 and first.stats.accepted_tokens > 0, first.stats
     assert (again.stats.drafted_tokens, again.stats.accepted_tokens, again.stats.target_forwards) == (
         first.stats.drafted_tokens,
         first.stats.accepted_tokens,
@@ -241,8 +216,10 @@ def test_redis_killed_mid_run_changes_nothing(setup, redis_server: RedisServer) 
     _, target, version, _, refs = setup
     link = RedisLink(redis_server.url, timeout=0.05, retry_after=0.5)
     queries = QueryCache(link)
-    engine = engine_with(target, LocalRetriever(version), dense_stats=StatsCache(link), dense_queries=queries)
-    drafted_after = 0
+    engine = datastore_engine(
+        target, LocalRetriever(version), dense_stats=StatsCache(link), dense_queries=queries
+    )
+    before, after = DraftTally(), DraftTally()
     for i, (prompt, ref) in enumerate(zip(prompts(VOCAB), refs, strict=True)):
         if i == 2:
             redis_server.proc.kill()
@@ -250,9 +227,11 @@ def test_redis_killed_mid_run_changes_nothing(setup, redis_server: RedisServer) 
         for mode in ("dresd", "dresd-batch"):
             res = engine.generate(GenerationRequest(tuple(prompt), 40, mode, stop_at_eos=False))
             assert res.token_ids == ref, f"{mode} prompt {i} differs after redis died"
-            drafted_after += res.stats.drafted_tokens if i >= 2 else 0
+            (after if i >= 2 else before).observe(mode, res.stats)
     assert link.errors > 0, "redis was killed, the cache must have noticed"
-    assert drafted_after > 0, "without redis, dresd still drafts (statistics cached in process)"
+    before.assert_every_mode_drafted_and_accepted("with redis")
+    # without redis, dresd still drafts (statistics cached in process)
+    after.assert_every_mode_drafted_and_accepted("after redis died")
 
 
 def test_cli_dense_build_rebuild_eval_generate(tiny_dir: Path, tmp_path: Path, capsys) -> None:
@@ -380,16 +359,17 @@ def test_a_swap_to_a_dense_version_of_other_dimensions(setup, tmp_path: Path) ->
         )
     servers = [ShardThread(ShardState.open(root / "v", i)) for i in range(2)]
     try:
-        remote = RemoteDatastore([s.address for s in servers], deadline=5.0)
+        remote = RemoteDatastore([s.address for s in servers], deadline_seconds=5.0)
         remote.recheck_seconds = 0.0  # ask the shards for their version at every request
-        engine = engine_with(target, remote)
+        engine = datastore_engine(target, remote)
         prompt = prompts(VOCAB)[0]
         before = engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
         swap_all([s.address for s in servers], "v-d8")
         after = engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
         assert before.token_ids == after.token_ids == refs[0]
         assert (before.datastore_version, after.datastore_version) == ("v", "v-d8")
-        assert before.stats.drafted_tokens > 0 and after.stats.drafted_tokens > 0
+        for res in (before, after):
+            assert res.stats.drafted_tokens > 0 and res.stats.accepted_tokens > 0, res.stats
     finally:
         for s in servers:
             s.stop()

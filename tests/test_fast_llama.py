@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 
+from helpers.models import tiny_model
 from llm_worker.config import ModelConfig
 from llm_worker.model import wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget

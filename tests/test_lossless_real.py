@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 import torch
-from conftest import assert_greedy_identical, chat_ids, greedy_tokens
 from scipy import stats
 
+from helpers.models import DraftTally, assert_greedy_identical, chat_ids, greedy_tokens
 from llm_worker.config import SamplingParams
 from llm_worker.drafters import DRAFTERS
 from llm_worker.engine import Engine, GenerationRequest
@@ -21,6 +21,8 @@ from llm_worker.verify.verifier import verify_sampling
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 80  # every answer must reach 64 tokens (checked)
+MODEL_MODES = ["pld", "pld+h", "pld+a"]  # every mode that needs no datastore, "ar" aside
+DATASTORE_MODES = ["rest", "rest-batch", "dresd", "dresd-batch"]
 
 
 def varied_prompts() -> list[str]:
@@ -64,21 +66,19 @@ def dtype_engine(request, real_model, real_engine):
 def test_greedy_every_mode_is_token_identical_to_ar(dtype_engine, prompt_ids) -> None:
     """Bit-exact in float32 and bfloat16: no near-tie excuse on the fast backend."""
     target, real_engine = dtype_engine
-    modes = [m for m in DRAFTERS.available(target) if m != "ar" and not m.startswith("test-")]
-    assert {"pld", "pld+h", "pld+a"} <= set(modes)
-    drafted = dict.fromkeys(modes, 0)
-    accepted = dict.fromkeys(modes, 0)
+    available = DRAFTERS.available(target)
+    assert set(MODEL_MODES) <= set(available), available
+    assert set(available) - {"ar"} <= set(MODEL_MODES), f"a mode this test does not cover: {available}"
+    tally = DraftTally()
     dtype = target.info.dtype
     for i, prompt in enumerate(prompt_ids):
         ref = greedy_tokens(real_engine, prompt, "ar", NEW_TOKENS)
         assert len(ref) >= 64, f"prompt {i} stopped after {len(ref)} tokens: too short to prove anything"
-        for mode in modes:
+        for mode in MODEL_MODES:
             res = real_engine.generate(GenerationRequest(tuple(prompt), NEW_TOKENS, mode))
-            drafted[mode] += res.stats.drafted_tokens
-            accepted[mode] += res.stats.accepted_tokens
             assert_greedy_identical(target, prompt, ref, res.token_ids, f"real/{dtype}/{mode}/prompt{i}")
-    assert all(drafted[m] > 0 for m in modes), drafted
-    assert all(accepted[m] > 0 for m in modes), accepted
+            tally.observe(mode, res.stats)
+    tally.assert_every_mode_drafted_and_accepted(f"real/{dtype}")
 
 
 def test_pld_plus_reports_provenance_of_copied_spans(real_model, real_engine, prompt_ids) -> None:
@@ -156,16 +156,17 @@ def rest_engine(real_model, real_engine, prompt_ids, tmp_path_factory):
 @pytest.mark.timeout(1800)  # 12 prompts x (ar + 4 modes) of 80 tokens on 2 cores, and the dense build
 def test_greedy_datastore_modes_are_token_identical_to_ar(real_model, real_engine, rest_engine, prompt_ids):
     target, _ = real_model
-    modes = [m for m in ("rest", "rest-batch", "dresd", "dresd-batch") if m in DRAFTERS.names()]
-    accepted = dict.fromkeys(modes, 0)
+    available = DRAFTERS.available(target, rest_engine.resources)
+    assert set(DATASTORE_MODES) <= set(available), available
+    tally = DraftTally()
     for i, prompt in enumerate(prompt_ids):
         ref = greedy_tokens(real_engine, prompt, "ar", NEW_TOKENS)
-        for mode in modes:
+        for mode in DATASTORE_MODES:
             res = rest_engine.generate(GenerationRequest(tuple(prompt), NEW_TOKENS, mode))
-            accepted[mode] += res.stats.accepted_tokens
             assert res.datastore_version == "v1"
             assert_greedy_identical(target, prompt, ref, res.token_ids, f"real/{mode}/prompt{i}")
-    assert all(accepted[m] > 0 for m in modes), accepted
+            tally.observe(mode, res.stats)
+    tally.assert_every_mode_drafted_and_accepted("real/datastore")
 
 
 def test_sampling_runs_in_datastore_modes_and_is_seeded(real_model, rest_engine, prompt_ids) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_target
 
+from helpers.models import tiny_target
 from llm_worker.config import CostConfig, PlannerConfig
 from llm_worker.planner import AcceptanceModel, CostCurve, DraftPlanner, measure_cost_curve
 from llm_worker.types import DraftTree, Outcome, VerifyResult
@@ -82,11 +82,43 @@ def test_target_confidence_separates_acceptance() -> None:
     assert model.p("f", 1, 0.999) > 0.9 > 0.1 > model.p("f", 1, 0.25)
 
 
-def test_tree_plans_keep_whole_paths() -> None:
+def token_paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Every node as the tokens from the root's child down to it."""
+    return {tuple(tree.tokens[v] for v in tree.path_to(node)) for node in range(len(tree))}
+
+
+def parent_closed_subsets(tree: DraftTree) -> list[list[int]]:
+    """Every set of nodes that holds each member's parent (brute force: trees of a few nodes)."""
+    nodes = range(len(tree))
+    subsets = [[v for v in nodes if mask >> v & 1] for mask in range(1 << len(tree))]
+    return [s for s in subsets if all(tree.parents[v] < 0 or tree.parents[v] in s for v in s)]
+
+
+@pytest.mark.parametrize(
+    "p,kept",
+    [
+        (0.6, {(1,), (5,)}),
+        (0.7, {(1,), (1, 2), (1, 4), (5,)}),
+        (0.9, {(1,), (1, 2), (1, 2, 3), (1, 4), (5,)}),
+    ],
+)
+def test_tree_plans_keep_whole_paths_and_maximise_the_rate(p: float, kept: set[tuple[int, ...]]) -> None:
+    """Every node is accepted with p given its parent, so its reach is p^depth: the plan keeps the
+    likeliest nodes — whole paths from the root, deeper ones as p grows — and no parent-closed
+    choice of nodes (brute force) expects more tokens per second."""
     tree = DraftTree.from_sequences([[1, 2, 3], [1, 4], [5]], features=[["a"] * 3, ["a"] * 2, ["a"]])
-    plan = _planner(CostCurve.linear(0.04, 0.01), 0.6).plan(tree, 100)
-    kept = plan.tree
-    assert all(p < i for i, p in enumerate(kept.parents))
+    curve = CostCurve.linear(0.04, 0.01)
+    plan = _planner(curve, p).plan(tree, 100)
+    assert token_paths(plan.tree) == kept
+    assert plan.expected_tokens == pytest.approx(1 + sum(p ** len(path) for path in kept))
+    assert plan.expected_seconds == pytest.approx(curve.t(1 + len(kept), 100))
+    depths = tree.depths()
+
+    def rate(nodes: list[int]) -> float:
+        return (1 + sum(p ** depths[v] for v in nodes)) / curve.t(1 + len(nodes), 100)
+
+    best = max(rate(nodes) for nodes in parent_closed_subsets(tree))
+    assert plan.expected_tokens / plan.expected_seconds == pytest.approx(best)
 
 
 def test_measured_curve_on_a_tiny_model_is_sane() -> None:
@@ -94,4 +126,4 @@ def test_measured_curve_on_a_tiny_model_is_sane() -> None:
     curve = measure_cost_curve(target, CostConfig(sizes=(1, 4, 16), contexts=(32, 64), repeats=2), 17)
     assert curve.sizes == (1, 4, 16, 17)
     assert curve.contexts == (32, 64)
-    assert all(t > 0 for row in curve.seconds for t in row)
+    assert [len(row) for row in curve.seconds] == [len(curve.sizes)] * len(curve.contexts)  # [C][S]

@@ -7,46 +7,27 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_greedy_identical, engine_for, greedy_tokens, tiny_model, tiny_target
-from test_lossless_tiny import (
-    FLAT_CURVE,
-    SAMPLES,
-    VOCAB,
-    chi_square_p,
-    exact_distribution,
-    prompts,
-    sample_counts,
-)
 
 from datastore_svc.store import DatastoreVersion, LocalRetriever, write_version
-from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig, SamplingParams
+from helpers.datastores import datastore_engine, datastore_for, own_samples_engine, tiny_identity
+from helpers.models import (
+    BACKEND_CASES,
+    BACKEND_IDS,
+    FLAT_CURVE,
+    DraftTally,
+    assert_greedy_identical,
+    engine_for,
+    greedy_tokens,
+    prompts,
+    tiny_model,
+    tiny_target,
+)
+from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution, sample_counts
+from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
-from llm_worker.model.target import TargetModel
 from llm_worker.planner import CostCurve
-
-
-def datastore_for(target: TargetModel, path: Path, shards: int = 2, extra: int = 8) -> LocalRetriever:
-    """A datastore of the model's own greedy continuations (in distribution) plus random documents."""
-    vocab = target.info.vocab_size
-    engine = engine_for(target, FLAT_CURVE)
-    rng = np.random.default_rng(1)
-    docs = []
-    for prompt in prompts(vocab)[:4]:
-        out = greedy_tokens(engine, prompt, "ar", 48)
-        docs.append(np.array(prompt + out, dtype=np.int32))
-    docs += [rng.integers(0, vocab, size=40).astype(np.int32) for _ in range(extra)]
-    identity = {"name": "tiny", "vocab_size": vocab, "fingerprint": "tiny"}
-    write_version(docs, path, vocab, identity, shards=shards)
-    return LocalRetriever(DatastoreVersion(path))
-
-
-def rest_engine(target: TargetModel, retriever: LocalRetriever, curve: CostCurve) -> Engine:
-    return Engine(
-        target, EngineConfig(planner=PlannerConfig()), curve=curve, resources=DraftResources(retriever)
-    )
-
 
 REST_MODES = [
     "rest",
@@ -58,32 +39,23 @@ REST_MODES = [
 ]
 
 
-CPU_CURVE = CostCurve.linear(0.05, 0.003)
-
-
-BACKEND_CASES = [
-    ("llama", "fast", FLAT_CURVE),
-    ("llama", "fast", CPU_CURVE),
-    ("llama", "hf", CPU_CURVE),
-    ("gpt2", "hf", FLAT_CURVE),
-]
-BACKEND_IDS = ["llama-fast-flat", "llama-fast-cpu", "llama-hf-cpu", "gpt2-hf-flat"]
-
-
 @pytest.mark.parametrize("kind,backend,curve", BACKEND_CASES, ids=BACKEND_IDS)
 def test_greedy_rest_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_path: Path) -> None:
     target = tiny_target(kind, backend=backend)
-    engine = rest_engine(target, datastore_for(target, tmp_path / "v"), curve)
+    engine = datastore_engine(target, datastore_for(target, tmp_path / "v"), curve)
+    tally = DraftTally()
     for i, prompt in enumerate(prompts(target.info.vocab_size)):
         ref = greedy_tokens(engine, prompt, "ar", 64)
         for mode in REST_MODES:
-            got = greedy_tokens(engine, prompt, mode, 64)
-            assert_greedy_identical(target, prompt, ref, got, f"{kind}/{backend}/{mode}/prompt{i}")
+            res = engine.generate(GenerationRequest(tuple(prompt), 64, mode))
+            assert_greedy_identical(target, prompt, ref, res.token_ids, f"{kind}/{backend}/{mode}/prompt{i}")
+            tally.observe(mode, res.stats)
+    tally.assert_every_mode_drafted_and_accepted(f"{kind}/{backend}")
 
 
 def test_rest_drafts_accepts_and_reports_its_version(tmp_path: Path) -> None:
     target = tiny_target("llama")
-    engine = rest_engine(target, datastore_for(target, tmp_path / "v7"), FLAT_CURVE)
+    engine = datastore_engine(target, datastore_for(target, tmp_path / "v7"))
     prompt = prompts(target.info.vocab_size)[1]
     res = engine.generate(GenerationRequest(tuple(prompt[:10]), 48, "rest"))
     assert res.stats.drafted_tokens > 0 and res.stats.accepted_tokens > 0 and res.stats.tau > 1.5
@@ -108,10 +80,12 @@ def test_a_failing_datastore_costs_drafts_not_the_generation() -> None:
     engine = Engine(target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(FailingRetriever()))
     prompt = prompts(target.info.vocab_size)[0]
     ref = greedy_tokens(engine, prompt, "ar", 32)
+    # Drafting is impossible here by design: the datastore alone, down, drafts nothing.
     alone = engine.generate(GenerationRequest(tuple(prompt), 32, "rest:ctx=0"))
     assert alone.token_ids == ref and alone.stats.drafted_tokens == 0
     fused = engine.generate(GenerationRequest(tuple(prompt), 32, "rest"))  # the context still drafts
-    assert fused.token_ids == ref and fused.stats.drafted_tokens > 0
+    assert fused.token_ids == ref
+    assert fused.stats.drafted_tokens > 0 and fused.stats.accepted_tokens > 0, fused.stats
 
 
 @pytest.mark.parametrize(
@@ -124,14 +98,15 @@ def test_sampling_rest_matches_exact_distribution(params: SamplingParams, tmp_pa
     target = wrap_model(model, None, ModelConfig(backend="fast"))
     rng = np.random.default_rng(5)
     docs = [rng.integers(0, VOCAB, size=60).astype(np.int32) for _ in range(20)]
-    write_version(docs, tmp_path / "v", VOCAB, {"name": "t", "vocab_size": VOCAB, "fingerprint": "t"})
-    engine = rest_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")), FLAT_CURVE)
+    write_version(docs, tmp_path / "v", VOCAB, tiny_identity(VOCAB, "t"))
+    engine = datastore_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     dist = exact_distribution(model, prompt, params)
-    counts, drafted, _ = sample_counts(engine, prompt, "rest", params)
+    counts, drafted, accepted = sample_counts(engine, prompt, "rest", params)
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"rest: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert drafted > SAMPLES // 4, f"rest hardly drafted ({drafted}); the test would prove nothing"
+    assert accepted > 0, "rest: no draft was ever accepted; the test would prove nothing"
 
 
 def test_sampling_rest_trees_with_siblings_match_exact_distribution(
@@ -139,8 +114,6 @@ def test_sampling_rest_trees_with_siblings_match_exact_distribution(
 ) -> None:
     """4 new tokens, so that a step verifies two nodes — often siblings (recursive rejection over
     siblings, not only chains), on a datastore of the model's own samples."""
-    from test_batch_verify import exact_distribution_of
-
     from llm_worker.verify.steps import TreeVerification
 
     branching: list[bool] = []
@@ -155,24 +128,9 @@ def test_sampling_rest_trees_with_siblings_match_exact_distribution(
     new = 4
     params = SamplingParams(temperature=1.0, top_k=4)
     model, engine, prompt = own_samples_engine(tmp_path, params)
-    dist = exact_distribution_of(model, prompt, params, new)
-    counts, _, _ = sample_counts(engine, prompt, "rest", params, new)
+    dist = exact_distribution(model, prompt, params, new)
+    counts, _, accepted = sample_counts(engine, prompt, "rest", params, new)
     p = chi_square_p(counts, dist, SAMPLES)
     assert p > 1e-3, f"rest trees: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert sum(branching) > SAMPLES // 4, f"{sum(branching)} of {len(branching)} trees branched"
-
-
-def own_samples_engine(tmp_path: Path, params: SamplingParams) -> tuple[Any, Engine, list[int]]:
-    """A tiny model (vocabulary VOCAB), an engine whose datastore holds 40 of the model's own
-    sampled continuations of the prompt (drafts often right, with shared prefixes), the prompt."""
-    model = tiny_model("llama", vocab=VOCAB, seed=3)
-    target = wrap_model(model, None, ModelConfig(backend="fast"))
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    ar = Engine(target, curve=FLAT_CURVE)
-    docs = []
-    for seed in range(40):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=10_000 + seed)
-        res = ar.generate(GenerationRequest(tuple(prompt), 6, "ar", sp, stop_at_eos=False))
-        docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
-    write_version(docs, tmp_path / "v", VOCAB, {"name": "t", "vocab_size": VOCAB, "fingerprint": "t"})
-    return model, rest_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v")), FLAT_CURVE), prompt
+    assert accepted > 0, "rest trees: no draft was ever accepted; the test would prove nothing"

@@ -39,14 +39,26 @@ def tiny_stack_config(tiny_dir: Path, **overrides: object) -> StackConfig:
     return StackConfig(**base)  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, StackState]]:
-    state_dir = tmp_path_factory.mktemp("stack")
+def running_stack(tiny_dir: Path, state_dir: Path) -> Iterator[tuple[Path, StackState]]:
+    """Redis and two workers of the tiny model, started in ``state_dir`` and stopped afterwards."""
     state = up(tiny_stack_config(tiny_dir), state_dir)
     try:
         yield state_dir, state
     finally:
         down(state_dir, grace_seconds=5.0)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, StackState]]:
+    """A stack shared by the tests that only read from it or send it requests: each leaves it as it
+    found it (every process alive, the state file in place), so their order does not matter."""
+    yield from running_stack(tiny_dir, tmp_path_factory.mktemp("stack"))
+
+
+@pytest.fixture
+def own_stack(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[Path, StackState]]:
+    """A stack of one test alone, for tests that kill or stop its processes."""
+    yield from running_stack(tiny_dir, tmp_path / "stack")
 
 
 def test_up_serves_registers_and_exports_metrics(stack: tuple[Path, StackState]) -> None:
@@ -89,9 +101,9 @@ def test_locust_headless_run_has_no_failures(stack: tuple[Path, StackState], tmp
     assert (tmp_path / "load.html").stat().st_size > 0
 
 
-def test_client_fails_over_when_a_worker_dies_mid_run(stack: tuple[Path, StackState]) -> None:
+def test_client_fails_over_when_a_worker_dies_mid_run(own_stack: tuple[Path, StackState]) -> None:
     """SIGKILL the first worker while a client keeps generating: every call still succeeds."""
-    _, state = stack
+    _, state = own_stack
     addresses = discover(RedisRegistry(state.registry), "pld")
     victim = next(p for p in state.workers() if p.address == addresses[0])
     request = build_request(text="fail over", options=RequestOptions(mode="pld", max_new_tokens=24))
@@ -105,8 +117,8 @@ def test_client_fails_over_when_a_worker_dies_mid_run(stack: tuple[Path, StackSt
     assert results[-1].worker_id == survivor
 
 
-def test_down_stops_every_process(stack: tuple[Path, StackState]) -> None:
-    state_dir, state = stack
+def test_down_stops_every_process(own_stack: tuple[Path, StackState]) -> None:
+    state_dir, state = own_stack
     stopped = down(state_dir, grace_seconds=5.0)
     assert stopped is not None
     assert not any(is_alive(p) for p in state.processes)

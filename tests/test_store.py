@@ -81,7 +81,7 @@ def test_a_crashed_build_leaves_nothing(
     def boom(tokens: np.ndarray, separator: int) -> object:
         raise MemoryError("simulated crash")
 
-    monkeypatch.setattr(store, "build_index", boom)
+    monkeypatch.setattr(store, "build_suffix_index", boom)
     with pytest.raises(MemoryError):
         build(corpus, tokenizer, tmp_path / "v", shards=2, progress=False)
     assert list(tmp_path.iterdir()) == []

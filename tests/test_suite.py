@@ -19,10 +19,10 @@ from client.bench.suite import (
     Question,
     builtin_suite,
     calibration_prompts,
+    count_occurrences,
     function_rename,
     leading_prose,
     load_questions,
-    occurrences,
     rename_target,
     suite_names,
     truncate_at_line,
@@ -107,8 +107,8 @@ def test_rename_targets_occur_in_their_code() -> None:
         old, new = match.groups()
         code = FENCE.search(question.turns[0])
         assert code is not None
-        assert occurrences(old, code.group(1)) >= 1, question.question_id
-        assert occurrences(new, code.group(1)) == 0, question.question_id
+        assert count_occurrences(old, code.group(1)) >= 1, question.question_id
+        assert count_occurrences(new, code.group(1)) == 0, question.question_id
     assert renames >= 3
 
 

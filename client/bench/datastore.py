@@ -21,7 +21,6 @@ from __future__ import annotations
 import gzip
 import inspect
 import json
-import statistics
 import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from client.bench.timing import latency_ms
 from datastore_svc.retrieval import RetrievalConfig
-from specdraft.common import atomic_path, atomic_write_text, percentile
+from specdraft.common import atomic_path, atomic_write_text
 
 DOC_ROOT = Path("/usr/share/doc")
 TEXT_SUFFIXES = ("", ".txt", ".md", ".rst", ".gz")
@@ -133,13 +133,7 @@ def retrieval_latency(retriever: Any, contexts: list[np.ndarray], cfg: Retrieval
         result, _ = retriever.retrieve(ctx, cfg)
         times.append((time.perf_counter() - t0) * 1000.0)
         matched += bool(result.candidates)
-    return {
-        "calls": len(times),
-        "p50_ms": round(percentile(times, 0.5), 3),
-        "p99_ms": round(percentile(times, 0.99), 3),
-        "mean_ms": round(statistics.fmean(times), 3),
-        "matched": round(matched / max(len(times), 1), 3),
-    }
+    return {**latency_ms(times), "matched": round(matched / max(len(times), 1), 3)}
 
 
 DRAFTRETRIEVER_MAX_NODES = 64  # draftretriever's draft buffers keep at most 64 nodes
@@ -251,13 +245,7 @@ def draftretriever_latency(searcher: DraftRetrieverSearch, contexts: list[np.nda
         found = searcher.search(query)
         times.append((time.perf_counter() - t0) * 1000.0)
         matched += bool(found)
-    return {
-        "calls": len(times),
-        "p50_ms": round(percentile(times, 0.5), 3),
-        "p99_ms": round(percentile(times, 0.99), 3),
-        "mean_ms": round(statistics.fmean(times), 3),
-        "matched": round(matched / max(len(times), 1), 3),
-    }
+    return {**latency_ms(times), "matched": round(matched / max(len(times), 1), 3)}
 
 
 # -- τ by replay --------------------------------------------------------------------------------
@@ -367,16 +355,20 @@ def replay_tau(runs: Sequence[ReferenceRun], propose: Propose) -> ReplayStats:
 
 
 def specdraft_proposer(retriever: Any, cfg: RetrievalConfig, fuse_separator: int | None = None) -> Propose:
-    """Our retriever as the ``rest`` drafter calls it: the last c_max tokens, the candidates' paths;
-    with ``fuse_separator`` the context's own continuations fused in (``rest``'s default, ``ctx=1``)."""
-    from datastore_svc.retrieval import context_retrieval, fuse_context
+    """The ``rest`` drafter itself (``RestDrafter.retrieve``) over ``retriever``: the candidates'
+    paths it would draft from; with ``fuse_separator`` the context's own continuations fused in
+    (``rest``'s default, ``ctx=1``)."""
+    from llm_worker.drafters.base import DraftContext, RequestState
+    from llm_worker.drafters.rest import RestDrafter
+
+    drafter = RestDrafter(retriever, cfg, fuse_separator=fuse_separator)
+    request_state = RequestState()  # one replay is one request: pinned to one version
 
     def propose(context: np.ndarray) -> list[tuple[int, ...]]:
-        result, _ = retriever.retrieve(context[-cfg.c_max :], cfg)
-        if fuse_separator is not None:
-            own = context_retrieval(context, fuse_separator, cfg)
-            result = fuse_context(result, own, cfg.max_nodes, cfg.max_candidates)
-        return [c.tokens for c in result.candidates]
+        result = drafter.retrieve(
+            DraftContext(np.asarray(context, dtype=np.int64), 0, request_state=request_state)
+        )
+        return [c.tokens for c in result.candidates] if result is not None else []
 
     return propose
 
@@ -386,12 +378,12 @@ def greedy_references(
 ) -> list[tuple[str, int, ReferenceRun]]:
     """(question id, turn, run) per turn: ``ar``'s answers, prompted exactly as ``specdraft bench`` does."""
     from client.bench.runner import run_turns
-    from client.bench.runners import Outcome, engine_runner
+    from client.bench.runners import RunOutcome, engine_runner
 
     ar = engine_runner(engine, "ar")
     prompts: list[list[int]] = []  # the prompts of the current question's turns
 
-    def recording(prompt: list[int], max_new: int) -> Outcome:
+    def recording(prompt: list[int], max_new: int) -> RunOutcome:
         prompts.append(list(prompt))
         return ar(prompt, max_new)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from client.bench.timing import latency_ms
 from datastore_svc.dense import DenseConfig, DenseStats
-from specdraft.common import percentile
 
 
 def dense_queries(model: Any, tokenizer: Any, count: int, seed: int = 0) -> list[tuple[np.ndarray, int]]:
@@ -49,10 +49,4 @@ def dense_latency(
         result, _ = retriever.retrieve_dense(stats.project(hidden), next_token, cfg)
         times.append((time.perf_counter() - t0) * 1000.0)
         drafted += bool(result.candidates)
-    return {
-        "calls": len(times),
-        "p50_ms": round(percentile(times, 0.50), 3),
-        "p99_ms": round(percentile(times, 0.99), 3),
-        "mean_ms": round(float(np.mean(times)), 3),
-        "drafted": round(drafted / max(len(times), 1), 3),
-    }
+    return {**latency_ms(times), "drafted": round(drafted / max(len(times), 1), 3)}

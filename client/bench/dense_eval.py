@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -125,3 +126,39 @@ def evaluate(
     shards = len(scores)
     recall = {k: float(sum(v) / (len(queries) * shards)) for k, v in recalls.items()}
     return EvalReport(len(pairs), tuple(ks), mrr, hit, recall)
+
+
+def evaluate_versions(
+    target: Any,
+    tokenizer: Any,
+    versions: Sequence[str],
+    corpus: str,
+    ks: Sequence[int],
+    n: int,
+    positions: int,
+    seed: int,
+    window: int,
+    hidden_cache: Path | None = None,
+) -> dict[str, dict[str, Any]]:
+    """``evaluate`` for each dense version on the held-out ``corpus`` (its hidden states computed
+    once, through ``target``'s transformers model): version name → its dims and report."""
+    from datastore_svc.corpus import read_documents
+    from datastore_svc.dense_build import DenseBuildConfig, HiddenStates
+    from datastore_svc.store import DatastoreVersion, tokenize_documents, tokenizer_identity
+
+    fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
+    cfg = DenseBuildConfig(window=window, overlap=min(64, window // 4), cache_dir=hidden_cache)
+    states = HiddenStates(target.model, target.info.weights_id, cfg)
+    docs = tokenize_documents(read_documents(corpus, tokenizer), tokenizer)
+    if not docs:
+        raise ValueError(f"{corpus}: no documents")
+    hidden = [states.chunk([d])[0] for d in docs]
+    reports: dict[str, dict[str, Any]] = {}
+    for path in versions:
+        version = DatastoreVersion(path, tokenizer_fingerprint=fingerprint)
+        if version.dense_model and version.dense_model != target.info.weights_id:
+            raise ValueError(f"{version.path}: dense keys of another model than {target.info.name}")
+        report = evaluate(version, hidden, docs, ks, n=n, count=positions, seed=seed)
+        reports[version.version] = {"dims": version.dense_stats.dims if version.dense_stats else 0}
+        reports[version.version].update(report.as_dict())
+    return reports

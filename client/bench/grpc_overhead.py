@@ -52,7 +52,7 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def measure(
+def measure_overhead(
     addresses: Sequence[str], calls: int, max_new_tokens: int, prompt: str, mode: str = "ar", warmup: int = 2
 ) -> OverheadReport:
     options = RequestOptions(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=True)
@@ -83,3 +83,27 @@ def measure(
         stream_ms_per_token=summary(stream),
         engine_ms_per_token=round(percentile(engine, 0.5), 3),
     )
+
+
+PROMPT = "Write a numbered list of twenty fruits, one per line."
+
+
+def measure_overhead_new_worker(
+    worker_args: Sequence[str], calls: int, max_new_tokens: int, prompt: str = PROMPT, mode: str = "ar"
+) -> OverheadReport:
+    """``measure_overhead`` against a worker process started for it (``specdraft serve worker`` with
+    ``worker_args``, as the local stack starts one) and stopped afterwards."""
+    import tempfile
+    from pathlib import Path
+
+    from client.stack import StackConfig, down, up
+
+    cfg = StackConfig(
+        worker_port=0, metrics_port=None, redis=False, worker_args=tuple(worker_args), grace_seconds=5
+    )
+    with tempfile.TemporaryDirectory(prefix="specdraft-bench-grpc-") as state:
+        stack = up(cfg, Path(state))
+        try:
+            return measure_overhead(stack.worker_addresses(), calls, max_new_tokens, prompt, mode)
+        finally:
+            down(Path(state), grace_seconds=5)

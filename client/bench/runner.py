@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from client.bench.runners import Outcome, Runner, make_runners
+from client.bench.runners import Runner, RunOutcome, make_runners
 from client.bench.suite import Question
 from llm_worker.chat import chat_prompt_ids
 from llm_worker.engine import Engine
@@ -44,7 +44,7 @@ class Tally:
     identical: int = 0
     prefill_seconds: float | None = 0.0  # None once an outcome did not report it
 
-    def add(self, o: Outcome, identical: bool) -> None:
+    def add(self, o: RunOutcome, identical: bool) -> None:
         if self.prefill_seconds is not None and o.prefill_seconds is not None:
             self.prefill_seconds += o.prefill_seconds
         else:
@@ -230,7 +230,7 @@ def run_bench(
     for qi, question in enumerate(questions):
         shift = qi % len(all_modes)
         order = all_modes[shift:] + all_modes[:shift]
-        outputs: dict[str, list[Outcome]] = {
+        outputs: dict[str, list[RunOutcome]] = {
             mode: run_turns(runners[mode], tokenizer, question, max_new_tokens) for mode in order
         }
         cat = result.per_category.setdefault(question.category, {m: Tally() for m in all_modes})
@@ -254,7 +254,7 @@ def run_bench(
     return result
 
 
-def run_turns(runner: Runner, tokenizer: Any, question: Question, max_new: int) -> list[Outcome]:
+def run_turns(runner: Runner, tokenizer: Any, question: Question, max_new: int) -> list[RunOutcome]:
     messages: list[dict[str, str]] = []
     outcomes = []
     for turn in question.turns:

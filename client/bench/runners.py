@@ -1,6 +1,6 @@
 """What the benchmark can run: an engine mode, or a transformers ``generate`` baseline.
 
-Each runner turns prompt ids into an ``Outcome``; the bench times them side by side.
+Each runner turns prompt ids into an ``RunOutcome``; the bench times them side by side.
 
 - an engine mode (``ar``, ``pld``, ``pld+h``, ...): ``Engine.generate``, greedy;
 - ``hf-ar``: transformers ``generate``, greedy, on the same weights;
@@ -25,7 +25,7 @@ HF_PLD_TOKENS = 10
 
 
 @dataclass
-class Outcome:
+class RunOutcome:
     token_ids: list[int]
     seconds: float
     target_forwards: int
@@ -34,14 +34,14 @@ class Outcome:
     prefill_seconds: float | None = None  # None: not known (transformers' generate)
 
 
-Runner = Callable[[list[int], int], Outcome]
+Runner = Callable[[list[int], int], RunOutcome]
 
 
 def engine_runner(engine: Engine, mode: str) -> Runner:
-    def run(prompt: list[int], max_new: int) -> Outcome:
+    def run(prompt: list[int], max_new: int) -> RunOutcome:
         res = engine.generate(GenerationRequest(tuple(prompt), max_new, mode, SamplingParams()))
         s = res.stats
-        return Outcome(
+        return RunOutcome(
             res.token_ids,
             s.seconds,
             s.target_forwards,
@@ -68,7 +68,7 @@ def hf_runner(model: Any, eos_ids: tuple[int, ...], prompt_lookup: int | None) -
     if prompt_lookup:
         extra["prompt_lookup_num_tokens"] = prompt_lookup
 
-    def run(prompt: list[int], max_new: int) -> Outcome:
+    def run(prompt: list[int], max_new: int) -> RunOutcome:
         ids = torch.tensor([prompt], device=model.device)
         before = counter.calls
         began = time.perf_counter()
@@ -86,7 +86,7 @@ def hf_runner(model: Any, eos_ids: tuple[int, ...], prompt_lookup: int | None) -
                 **extra,
             )
         seconds = time.perf_counter() - began
-        return Outcome(out[0, len(prompt) :].tolist(), seconds, counter.calls - before)
+        return RunOutcome(out[0, len(prompt) :].tolist(), seconds, counter.calls - before)
 
     return run
 

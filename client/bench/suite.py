@@ -289,7 +289,7 @@ def function_header(code: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     return None
 
 
-def occurrences(name: str, text: str) -> int:
+def count_occurrences(name: str, text: str) -> int:
     """How often ``name`` occurs in ``text`` as a whole identifier."""
     return len(re.findall(rf"(?<![\w.]){re.escape(name)}\b", text))
 
@@ -297,7 +297,7 @@ def occurrences(name: str, text: str) -> int:
 def fresh_name(base: str, code: str, suffixes: Sequence[str]) -> str | None:
     """``base + suffix`` for the first suffix whose result does not occur in ``code``."""
     for suffix in suffixes:
-        if occurrences(base + suffix, code) == 0:
+        if count_occurrences(base + suffix, code) == 0:
             return base + suffix
     return None
 
@@ -316,7 +316,11 @@ def rename_target(code: str) -> tuple[str, str] | None:
     params = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
     params += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
     candidates = [p for p in params if p not in ("self", "cls") and len(p) >= _MIN_NAME_LEN]
-    used = [(occurrences(p, code), -i, p) for i, p in enumerate(candidates) if occurrences(p, code) >= 2]
+    used = [
+        (count_occurrences(p, code), -i, p)
+        for i, p in enumerate(candidates)
+        if count_occurrences(p, code) >= 2
+    ]
     if not used:
         return None
     old = max(used)[2]

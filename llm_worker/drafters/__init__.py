@@ -7,7 +7,7 @@ from llm_worker.drafters.base import (
     Drafter,
     DraftResources,
     ModeUnavailableError,
-    Retriever,
+    RequestState,
     UnknownModeError,
     parse_mode,
 )
@@ -18,7 +18,7 @@ __all__ = [
     "DraftResources",
     "Drafter",
     "ModeUnavailableError",
-    "Retriever",
+    "RequestState",
     "UnknownModeError",
     "parse_mode",
 ]

@@ -11,13 +11,16 @@ A mode string is a registered name with optional ``:key=value`` options, e.g. ``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from datastore_svc.cache import QueryCache, StatsCache
+from datastore_svc.protocols import Datastore
 from llm_worker.types import ArtifactNeeds, Draft, DraftTree, VerifyResult
 
 if TYPE_CHECKING:
@@ -38,7 +41,7 @@ class DraftContext:
     ``tokens``: [T] the committed sequence (prompt + generated); its last token, the root, has
     no KV entry yet, so artifacts exist for positions 0 .. T-2 only.
     ``budget``: the most draft tokens worth proposing this step.
-    ``request_state``: a dict that lives for the request (drafters are shared by requests).
+    ``request_state``: what lives as long as the request (``RequestState``).
     """
 
     def __init__(
@@ -47,12 +50,11 @@ class DraftContext:
         budget: int,
         hidden: Callable[[int], torch.Tensor] | None = None,
         attention: Callable[[], torch.Tensor] | None = None,
-        request_state: dict[str, Any] | None = None,
+        request_state: RequestState | None = None,
     ) -> None:
         self.tokens = tokens  # [T] int64
         self.budget = budget
-        self.request_state = {} if request_state is None else request_state
-        """Lives as long as the request: e.g. the datastore version a request is pinned to."""
+        self.request_state = RequestState() if request_state is None else request_state
         self._hidden = hidden
         self._attention = attention
 
@@ -89,22 +91,24 @@ class Drafter(ABC):
         the proposed tree, or a batch's rows merged into their trie."""
 
 
-class Retriever(Protocol):
-    """Draft candidates from a datastore (in process or over gRPC): see ``datastore_svc``."""
-
-    def retrieve(self, context: np.ndarray, cfg: Any, version: str = "") -> tuple[Any, str]:
-        """(a ``datastore_svc.retrieval.Retrieval``, the version that answered) for ``context``."""
-        ...
-
-
 @dataclass(frozen=True)
 class DraftResources:
-    """What a worker offers drafters beyond the model: a datastore, and the caches of dense
-    retrieval (``datastore_svc.cache``: statistics, query results; shared through Redis)."""
+    """What a worker offers drafters beyond the model: a datastore (``datastore_svc.protocols``:
+    in process or shards over gRPC), and the caches of dense retrieval (``datastore_svc.cache``:
+    statistics, query results; shared through Redis)."""
 
-    retriever: Retriever | None = None
-    dense_stats: Any = None
-    dense_queries: Any = None
+    datastore: Datastore | None = None
+    dense_stats: StatsCache = field(default_factory=lambda: StatsCache(None))
+    dense_queries: QueryCache | None = None
+
+
+@dataclass
+class RequestState:
+    """What lives as long as one request (drafters are shared by requests)."""
+
+    datastore_version: str = ""
+    """The datastore version the request is pinned to: the one that answered its first
+    retrieval ("" until then). Later retrievals ask for it, so a swap never mixes versions."""
 
 
 DrafterFactory = Callable[["TargetModel", dict[str, str], DraftResources], Drafter]
@@ -144,6 +148,19 @@ class DrafterRegistry:
             return factory
 
         return add
+
+    @contextmanager
+    def registered(
+        self, name: str, summary: str, factory: DrafterFactory, options: tuple[str, ...] = ()
+    ) -> Iterator[None]:
+        """``name`` is a mode inside the ``with`` block only: registered as by ``register`` (a name
+        already taken is refused), removed on leaving. For tests and short-lived plug-ins, which
+        must not leave modes behind in the global registry."""
+        self.register(name, summary, options)(factory)
+        try:
+            yield
+        finally:
+            del self._specs[name]
 
     def names(self) -> list[str]:
         return list(self._specs)
@@ -217,3 +234,12 @@ def float_option(options: dict[str, str], key: str, default: float | None) -> fl
         return float(raw)
     except ValueError:
         raise UnknownModeError(f"option {key}={raw!r} is not a number") from None
+
+
+def bucket(value: float, bounds: tuple[float, ...]) -> str:
+    """The first bound ``value`` does not exceed, as a feature label (``"max"`` above them all):
+    ``bucket(0.2, (0.1, 0.3))`` → ``"0.3"``."""
+    for bound in bounds:
+        if value <= bound:
+            return f"{bound:g}"
+    return "max"

@@ -20,30 +20,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from datastore_svc.cache import QueryCache, StatsCache
 from datastore_svc.dense import DenseConfig, DenseRetrieval, DenseStats
+from datastore_svc.protocols import DenseRetriever
 from llm_worker.drafters.base import (
     DRAFTERS,
     DraftContext,
     Drafter,
     DraftResources,
     ModeUnavailableError,
+    bucket,
     int_option,
 )
-from llm_worker.drafters.rest import VERSION_KEY, _bucket
 from llm_worker.model.target import TargetModel
 from llm_worker.types import ArtifactNeeds, Draft, DraftBatch, DraftTree
 
 log = logging.getLogger(__name__)
 
 
-def node_features(result: DenseRetrieval) -> list[list[str]]:
+def dense_features(result: DenseRetrieval) -> list[list[str]]:
     """Per candidate, per token: ``dresd:s<similarity>:r<rank>`` (the planner learns their acceptance)."""
     feats = []
     for rank, cand in enumerate(result.candidates):
-        score = _bucket(cand.score, (0.5, 0.7, 0.8, 0.9, 0.95))
+        score = bucket(cand.score, (0.5, 0.7, 0.8, 0.9, 0.95))
         feats.append([f"dresd:s{score}:r{min(rank, 3)}:d{min(d, 4)}" for d in range(len(cand.tokens))])
     return feats
 
@@ -51,21 +51,21 @@ def node_features(result: DenseRetrieval) -> list[list[str]]:
 def dense_tree(result: DenseRetrieval) -> DraftTree:
     if not result.candidates:
         return DraftTree.empty()
-    return DraftTree.from_sequences([c.tokens for c in result.candidates], features=node_features(result))
+    return DraftTree.from_sequences([c.tokens for c in result.candidates], features=dense_features(result))
 
 
 def dense_batch(result: DenseRetrieval) -> DraftBatch:
     if not result.candidates:
         return DraftBatch.empty()
     return DraftBatch(
-        tuple(c.tokens for c in result.candidates), features=tuple(tuple(f) for f in node_features(result))
+        tuple(c.tokens for c in result.candidates), features=tuple(tuple(f) for f in dense_features(result))
     )
 
 
 class DresdDrafter(Drafter):
     def __init__(
         self,
-        retriever: Any,
+        retriever: DenseRetriever,
         layer: int,
         fingerprint: str,
         cfg: DenseConfig,
@@ -98,7 +98,7 @@ class DresdDrafter(Drafter):
         return stats
 
     def retrieve(self, ctx: DraftContext) -> DenseRetrieval | None:
-        pinned = str(ctx.request_state.get(VERSION_KEY, ""))
+        pinned = ctx.request_state.datastore_version
         version = pinned or self.retriever.current_version()
         if not version or version in self._refused:
             return None
@@ -106,7 +106,7 @@ class DresdDrafter(Drafter):
         if self.queries is not None:
             hit = self.queries.get(key)
             if hit is not None:
-                ctx.request_state.setdefault(VERSION_KEY, version)
+                ctx.request_state.datastore_version = version
                 return hit
         t0 = time.perf_counter()
         stats = self.stats.get(version, self._fetch_stats)
@@ -117,7 +117,7 @@ class DresdDrafter(Drafter):
         result, answered = self.retriever.retrieve_dense(query, int(ctx.tokens[-1]), self.cfg, version)
         if answered and answered != version:  # swapped between the statistics and the search
             return None
-        ctx.request_state.setdefault(VERSION_KEY, version)
+        ctx.request_state.datastore_version = version
         if self.queries is not None:
             self.queries.put(key, query, result, time.perf_counter() - t0)
         return result
@@ -148,8 +148,8 @@ def _make(
     resources: DraftResources,
     shape: Callable[[DenseRetrieval], Draft],
 ) -> Drafter:
-    retriever: Any = resources.retriever  # the dense calls are beyond the sparse Retriever protocol
-    if retriever is None or not hasattr(retriever, "retrieve_dense"):
+    retriever = resources.datastore
+    if retriever is None:
         raise ModeUnavailableError(
             "needs a datastore with a dense index (--datastore DIR or --datastore-addr)"
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from datastore_svc.protocols import SparseRetriever
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, context_retrieval, fuse_context
 from llm_worker.drafters.base import (
     DRAFTERS,
@@ -28,29 +29,21 @@ from llm_worker.drafters.base import (
     Drafter,
     DraftResources,
     ModeUnavailableError,
-    Retriever,
+    bucket,
     int_option,
 )
 from llm_worker.model.target import TargetModel
 from llm_worker.types import Draft, DraftBatch, DraftTree
 
 log = logging.getLogger(__name__)
-VERSION_KEY = "datastore_version"
 
 
-def _bucket(value: float, bounds: tuple[float, ...]) -> str:
-    for bound in bounds:
-        if value <= bound:
-            return f"{bound:g}"
-    return "max"
-
-
-def node_features(result: Retrieval) -> list[list[str]]:
+def rest_features(result: Retrieval) -> list[list[str]]:
     """Per candidate, per token: ``rest:c<match length>:p<share of occurrences>``."""
     total = max(result.sampled, 1)
-    match = _bucket(result.match_length, (1, 2, 4, 8))
+    match = bucket(result.match_length, (1, 2, 4, 8))
     return [
-        [f"rest:c{match}:p{_bucket(n / total, (0.05, 0.15, 0.3, 0.6, 0.9))}" for n in cand.counts]
+        [f"rest:c{match}:p{bucket(n / total, (0.05, 0.15, 0.3, 0.6, 0.9))}" for n in cand.counts]
         for cand in result.candidates
     ]
 
@@ -59,7 +52,7 @@ def candidates_tree(result: Retrieval) -> DraftTree:
     """The candidates merged into one tree (shared prefixes once)."""
     if not result.candidates:
         return DraftTree.empty()
-    return DraftTree.from_sequences([c.tokens for c in result.candidates], features=node_features(result))
+    return DraftTree.from_sequences([c.tokens for c in result.candidates], features=rest_features(result))
 
 
 def candidates_batch(result: Retrieval) -> DraftBatch:
@@ -70,7 +63,7 @@ def candidates_batch(result: Retrieval) -> DraftBatch:
     cands = [c for c in result.candidates if c.tokens]
     if not cands:
         return DraftBatch.empty()
-    features = [f for c, f in zip(result.candidates, node_features(result), strict=True) if c.tokens]
+    features = [f for c, f in zip(result.candidates, rest_features(result), strict=True) if c.tokens]
     return DraftBatch(tuple(tuple(c.tokens) for c in cands), features=tuple(tuple(f) for f in features))
 
 
@@ -80,7 +73,7 @@ class RestDrafter(Drafter):
 
     def __init__(
         self,
-        retriever: Retriever,
+        retriever: SparseRetriever,
         cfg: RetrievalConfig,
         shape: Callable[[Retrieval], Draft] = candidates_tree,
         fuse_separator: int | None = None,
@@ -93,7 +86,7 @@ class RestDrafter(Drafter):
         self.fuse_separator = fuse_separator
 
     def retrieve(self, ctx: DraftContext) -> Retrieval | None:
-        pinned = str(ctx.request_state.get(VERSION_KEY, ""))
+        pinned = ctx.request_state.datastore_version
         context = ctx.tokens[-self.cfg.c_max :]
         result: Retrieval | None = None
         try:
@@ -102,7 +95,7 @@ class RestDrafter(Drafter):
             log.warning("datastore retrieval failed, drafting from the context alone: %s", exc)
         else:
             if version and not pinned:
-                ctx.request_state[VERSION_KEY] = version
+                ctx.request_state.datastore_version = version
         if self.fuse_separator is None:
             return result
         own = context_retrieval(ctx.tokens, self.fuse_separator, self.cfg)
@@ -134,10 +127,10 @@ def _fuse_separator(target: TargetModel, options: dict[str, str]) -> int | None:
     return target.info.vocab_size if int_option(options, "ctx", 1, 0, 1) else None
 
 
-def _retriever(resources: DraftResources) -> Retriever:
-    if resources.retriever is None:
+def _retriever(resources: DraftResources) -> SparseRetriever:
+    if resources.datastore is None:
         raise ModeUnavailableError("needs a datastore (--datastore DIR or --datastore-addr HOST:PORT,...)")
-    return resources.retriever
+    return resources.datastore
 
 
 @DRAFTERS.register(

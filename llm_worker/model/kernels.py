@@ -199,7 +199,7 @@ def choose(invariant: Mapping[str, bool], seconds: Mapping[str, Mapping[int, flo
     return best
 
 
-def measure(
+def measure_kernels(
     weights: Weights,
     device: torch.device,
     dtype: torch.dtype,
@@ -271,10 +271,10 @@ KernelChooser = Callable[[Weights], tuple[Mapping[str, Kernel], KernelReport | N
 
 
 def measured_chooser(fingerprint: str, device: torch.device, dtype: torch.dtype) -> KernelChooser:
-    """The "auto" choice: ``load_or_measure`` on the weights the backend hands over."""
+    """The "auto" choice: ``load_or_measure_kernels`` on the weights the backend hands over."""
 
     def choose_for(weights: Weights) -> tuple[Mapping[str, Kernel], KernelReport | None]:
-        report = load_or_measure(fingerprint, weights, device, dtype)
+        report = load_or_measure_kernels(fingerprint, weights, device, dtype)
         return report.kernels(), report
 
     return choose_for
@@ -288,7 +288,7 @@ def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
     return cache_root() / "kernels" / (key.replace("/", "_").replace(":", "_") + ".json")
 
 
-def load_or_measure(
+def load_or_measure_kernels(
     fingerprint: str,
     weights: Weights,
     device: torch.device,
@@ -305,7 +305,7 @@ def load_or_measure(
             log.warning("ignoring unreadable kernel choice %s: %s", path, exc)
     log.info("choosing GEMM kernels: checking batch invariance and timing (once per model, dtype, device)")
     with torch.inference_mode():
-        report = measure(weights, device, dtype)
+        report = measure_kernels(weights, device, dtype)
     if use_cache:
         atomic_write_text(path, json.dumps(report.to_json()))
     return report

@@ -85,6 +85,9 @@ class SequenceState:
 
 class TargetModel(ABC):
     info: TargetInfo
+    model: Any
+    """The transformers model whose weights the forward uses (its own forward: batched hidden
+    states for datastore builds)."""
 
     @abstractmethod
     def start(self) -> SequenceState:

@@ -1,0 +1,155 @@
+"""``specdraft bench`` (modes side by side), ``bench-grpc`` (the service's overhead) and
+``calibrate-heads`` (induction heads for ``pld+a``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from client.cli.common import (
+    CliError,
+    add_datastore_args,
+    add_model_args,
+    addresses,
+    engine_from_args,
+    positive_int,
+    print_json,
+    worker_model_args,
+)
+from specdraft.common import atomic_write_text
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_bench(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmark modes side by side")
+    add_model_args(b)
+    add_datastore_args(b)
+    b.add_argument("--questions", help="JSONL in Spec-Bench's format (question_id, category, turns)")
+    b.add_argument("--suite", default="input-guided", help="built-in suite when --questions is not given")
+    b.add_argument(
+        "--modes", default="", help="comma-separated modes (default: every available mode + hf-ar, hf-pld)"
+    )
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--limit", type=int, default=0, help="run only the first N questions")
+    b.add_argument("--json-out", help="write the report as JSON here")
+    b.add_argument("--plot", help="write a PNG of speed-up and τ per mode and category")
+    b.add_argument(
+        "--also-dtype",
+        help="also run every engine mode with the model in these dtypes (comma-separated), as MODE@DTYPE, "
+        "interleaved in the same run",
+    )
+    b.set_defaults(func=cmd_bench)
+
+    bg = sub.add_parser("bench-grpc", help="gRPC overhead per unary call and per streamed token")
+    add_model_args(bg)
+    bg.add_argument("--server", help="HOST:PORT of a running worker (default: start one)")
+    bg.add_argument("--calls", type=positive_int, default=50, help="unary + streaming pairs")
+    bg.add_argument("--max-new-tokens", type=positive_int, default=32)
+    bg.add_argument("--mode", default="ar")
+    bg.add_argument("--json-out", help="write the report as JSON here")
+    bg.set_defaults(func=cmd_bench_grpc)
+
+    c = sub.add_parser("calibrate-heads", help="find the model's induction heads for pld+a")
+    add_model_args(c)
+    c.add_argument("--prompts", help="calibration prompts: text lines or JSONL with a prompt field")
+    c.add_argument("--count", type=int, default=24, help="built-in calibration prompts to use")
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--out", help="output file (default: the user cache, where pld+a looks first)")
+    c.add_argument("--ship", action="store_true", help="write into the package data (maintainers)")
+    c.set_defaults(func=cmd_calibrate)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from client.bench.suite import builtin_suite, load_questions
+
+    try:
+        questions = load_questions(args.questions) if args.questions else builtin_suite(args.suite)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    if args.limit:
+        questions = questions[: args.limit]
+    if not questions:
+        raise CliError("no questions to run")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    also = [d.strip() for d in (args.also_dtype or "").split(",") if d.strip()]
+    for dtype in also:
+        if dtype not in DTYPES:
+            raise CliError(f"--also-dtype: unknown dtype {dtype!r}")
+    engine, target, tokenizer = engine_from_args(args)
+    from client.bench.report import plot, render_table
+    from client.bench.runner import run_bench
+    from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
+
+    if not modes:
+        modes = [*DRAFTERS.available(target, engine.resources), "hf-ar", "hf-pld"]
+    others = [
+        engine_from_args(argparse.Namespace(**{**vars(args), "dtype": dtype}))[0]
+        for dtype in also
+        if dtype != target.info.dtype
+    ]
+    console = Console(stderr=True)
+    try:
+        result = run_bench(
+            engine, tokenizer, questions, modes, args.max_new_tokens, progress=console.log, others=others
+        )
+    except (UnknownModeError, ModeUnavailableError) as exc:
+        raise CliError(str(exc)) from exc
+    report = result.to_json()
+    render_table(report, Console())
+    if args.json_out:
+        atomic_write_text(Path(args.json_out), json.dumps(report, indent=1) + "\n")
+        console.print(f"wrote {args.json_out}")
+    if args.plot:
+        console.print(f"wrote {plot(report, Path(args.plot))}")
+    return 0
+
+
+def cmd_bench_grpc(args: argparse.Namespace) -> int:
+    from client.bench.grpc_overhead import PROMPT, measure_overhead, measure_overhead_new_worker
+    from client.stack import StackError
+
+    if args.server:
+        report = measure_overhead(
+            list(addresses(args.server)), args.calls, args.max_new_tokens, PROMPT, args.mode
+        )
+    else:
+        try:
+            worker = worker_model_args(args, args.threads)
+            report = measure_overhead_new_worker(worker, args.calls, args.max_new_tokens, mode=args.mode)
+        except StackError as exc:
+            raise CliError(str(exc)) from exc
+    print_json(report.to_json(), args.json_out, indent=2)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    _engine, target, tokenizer = engine_from_args(args)
+    from client.bench.suite import calibration_prompts
+    from llm_worker.calibrate import calibrate_to_file, read_prompt_texts
+
+    console = Console(stderr=True)
+    texts = read_prompt_texts(Path(args.prompts)) if args.prompts else calibration_prompts(args.count)
+    try:
+        heads, path = calibrate_to_file(
+            target,
+            tokenizer,
+            texts,
+            args.max_new_tokens,
+            out=Path(args.out) if args.out else None,
+            ship=args.ship,
+            progress=lambda i, n: console.log(f"calibration prompt {i}/{n}"),
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    top = ", ".join(f"L{h.layer}H{h.head}={h.score:.2f}" for h in heads.heads[:10])
+    console.print(f"{heads.events} copy events over {heads.prompts} prompts; top heads: {top}")
+    sys.stdout.write(str(path) + "\n")
+    return 0

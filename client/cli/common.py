@@ -1,0 +1,159 @@
+"""What every command group shares: the parser class, exit codes, the model and datastore
+options and the typed configuration built from them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from specdraft.common import atomic_write_text
+
+if TYPE_CHECKING:
+    from llm_worker.config import ModelConfig
+    from llm_worker.engine import Engine
+    from llm_worker.model.target import TargetModel
+
+EXIT_BAD_INPUT = 2
+
+
+class CliError(Exception):
+    """A user error with a message worth printing as is."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but usage errors follow the contract: one line, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"specdraft: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def addresses(text: str) -> tuple[str, ...]:
+    """``"a:1, b:2,"`` → ``("a:1", "b:2")``."""
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def print_json(payload: Any, json_out: str | None = None, indent: int | None = None) -> None:
+    """One JSON object on stdout; also written (atomically, indented) to ``json_out`` if given."""
+    text = json.dumps(payload, indent=indent)
+    sys.stdout.write(text + "\n")
+    if json_out:
+        atomic_write_text(Path(json_out), (text if indent else json.dumps(payload, indent=1)) + "\n")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)"
+    )
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
+    g.add_argument(
+        "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "fast", "hf"],
+        help="fast Llama-family forward or transformers'",
+    )
+    g.add_argument(
+        "--kernel",
+        default="auto",
+        help="fast backend GEMM kernel, LIBRARY:MIN_ROWS (aten or onednn); auto: the fastest of those "
+        "checked batch-invariant on this machine",
+    )
+
+
+def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None) -> ModelConfig:
+    """The model options as a ``ModelConfig``; ``backend`` overrides --backend (the dense build
+    reads hidden states through transformers' batched forward)."""
+    from llm_worker.config import ModelConfig
+
+    return ModelConfig(
+        path=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        backend=backend or args.backend,
+        kernel=args.kernel,
+    )
+
+
+def worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str]:
+    """The model options of this command, as ``specdraft serve worker`` arguments."""
+    out = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend, "--kernel", args.kernel]
+    out += ["--model", args.model] if args.model else []
+    return out + (["--threads", str(threads)] if threads else [])
+
+
+def add_datastore_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("datastore (for rest)")
+    g.add_argument("--datastore", help="a datastore version directory, loaded in this process")
+    g.add_argument("--datastore-addr", help="HOST:PORT[,HOST:PORT...] of datastore shards, one per shard")
+    g.add_argument(
+        "--datastore-deadline-ms", type=float, default=20.0, help="per-shard deadline of a remote retrieval"
+    )
+    g.add_argument(
+        "--dense-cache",
+        help="redis://HOST:PORT[/DB] caching dense statistics and query results (dresd), shared by workers",
+    )
+    g.add_argument("--dense-cache-ttl", type=int, default=600, help="seconds a cached dense query lives")
+    g.add_argument(
+        "--dense-cache-context",
+        type=int,
+        default=0,
+        help="key cached dense queries by the last N context tokens (0 = the whole context)",
+    )
+
+
+def model_from_args(
+    args: argparse.Namespace, backend: Literal["hf"] | None = None
+) -> tuple[TargetModel, Any]:
+    """(target, tokenizer) of the model options."""
+    from llm_worker.assembly import AssemblyError, load_model
+
+    try:
+        return load_model(model_config(args, backend))
+    except AssemblyError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def engine_from_args(args: argparse.Namespace) -> tuple[Engine, TargetModel, Any]:
+    """(engine, target, tokenizer) of the model options and, where the command has them, the
+    datastore options."""
+    from llm_worker.assembly import AssemblyError, ResourceConfig, load_engine
+
+    resources = ResourceConfig(
+        datastore_path=getattr(args, "datastore", None),
+        datastore_addresses=addresses(getattr(args, "datastore_addr", None) or ""),
+        datastore_deadline_seconds=getattr(args, "datastore_deadline_ms", 20.0) / 1000.0,
+        dense_cache_url=getattr(args, "dense_cache", None),
+        dense_cache_ttl_seconds=getattr(args, "dense_cache_ttl", 600),
+        dense_cache_context_tokens=getattr(args, "dense_cache_context", 0),
+        device=getattr(args, "device", "cpu") or "cpu",
+    )
+    try:
+        return load_engine(model_config(args), resources)
+    except AssemblyError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(tokenizer, model directory) of --model, without the weights."""
+    from llm_worker.assembly import AssemblyError, load_tokenizer
+
+    try:
+        return load_tokenizer(args.model)
+    except AssemblyError as exc:
+        raise CliError(str(exc)) from exc

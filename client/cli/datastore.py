@@ -1,0 +1,298 @@
+"""``specdraft datastore build | generate | local-corpus | bench | eval | info | swap``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from client.cli.common import (
+    CliError,
+    add_model_args,
+    addresses,
+    engine_from_args,
+    model_config,
+    model_from_args,
+    positive_int,
+    print_json,
+    tokenizer_from_args,
+)
+
+
+def add_datastore(sub: Any) -> None:
+    dsc = sub.add_parser("datastore", help="build, inspect and swap datastore versions")
+    dsc_sub = dsc.add_subparsers(dest="action", required=True)
+    bd = dsc_sub.add_parser("build", help="build a new version from a JSONL corpus")
+    bd.add_argument("--corpus", help='JSONL of {"text"}, {"prompt","response"} or {"messages"}')
+    bd.add_argument("--out", required=True, help="the new version directory (must not exist)")
+    bd.add_argument("--shards", type=positive_int, default=1)
+    add_model_args(bd)
+    bd.add_argument("--quiet", action="store_true", help="no progress bars")
+    dn = bd.add_argument_group("dense index (DReSD): the model's hidden states, reduced, in FAISS")
+    dn.add_argument("--dense", action="store_true", help="also build the dense index beside the sparse one")
+    dn.add_argument(
+        "--from", dest="source", help="a dense rebuild over this version's tokens (other dims or index type)"
+    )
+    dn.add_argument("--pca-dims", type=positive_int, default=64, help="query / key dimensions")
+    dn.add_argument("--index", default="auto", choices=["auto", "flat", "hnsw", "ivf", "ivfpq"])
+    dn.add_argument("--hnsw-m", type=positive_int, default=32)
+    dn.add_argument("--ivf-lists", type=int, default=0, help="0 = about 4 sqrt(keys)")
+    dn.add_argument("--pq-bytes", type=int, default=0, help="ivfpq bytes per key (0 = dims / 2)")
+    dn.add_argument("--window", type=positive_int, default=512, help="tokens per forward window")
+    dn.add_argument(
+        "--overlap", type=int, default=None, help="context tokens before each window (default window/4, ≤ 64)"
+    )
+    dn.add_argument("--batch", type=positive_int, default=4, help="windows per forward")
+    dn.add_argument("--stats-sample", type=positive_int, default=262_144, help="vectors PCA is fitted on")
+    dn.add_argument("--hidden-cache", help="hidden-state cache (default: ~/.cache/specdraft/hidden)")
+    dn.add_argument("--redis", help="publish the statistics to this Redis (redis://HOST:PORT)")
+    bd.set_defaults(func=cmd_build)
+    dg = dsc_sub.add_parser("generate", help="the model's own answers to prompts, as a corpus (resumable)")
+    add_model_args(dg)
+    dg.add_argument(
+        "--prompts", required=True, help='JSONL: Spec-Bench {"question_id","turns"} or {"prompt"}'
+    )
+    dg.add_argument("--out", required=True, help="corpus JSONL to append to (ids already there are skipped)")
+    dg.add_argument(
+        "--mode", default="pld+h", help="a lossless mode: the answers are the model's greedy ones"
+    )
+    dg.add_argument("--max-new-tokens", type=positive_int, default=512)
+    dg.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    dg.add_argument("--quiet", action="store_true", help="no progress bar")
+    dg.set_defaults(func=cmd_generate)
+    dl = dsc_sub.add_parser("local-corpus", help="a corpus of local text (Python sources, Debian docs)")
+    dl.add_argument("--out", required=True)
+    dl.add_argument("--max-chars", type=positive_int, default=4_000_000, help="about 4 chars per token")
+    dl.add_argument("--questions-out", help="also write Spec-Bench code questions the corpus covers")
+    dl.add_argument("--questions", type=positive_int, default=20)
+    dl.set_defaults(func=cmd_local_corpus)
+    dbn = dsc_sub.add_parser("bench", help="load time and retrieval latency, in process and over gRPC")
+    dbn.add_argument("--datastore", required=True)
+    add_model_args(dbn)
+    dbn.add_argument("--queries", type=positive_int, default=1000)
+    dbn.add_argument("--grpc", action="store_true", help="also through shard server processes")
+    dbn.add_argument(
+        "--draftretriever",
+        action="store_true",
+        help="also the PyPI draftretriever on the same tokens (if installed)",
+    )
+    dbn.add_argument(
+        "--tau", action="store_true", help="also τ by replaying the model's greedy answers to --questions"
+    )
+    dbn.add_argument("--questions", help="Spec-Bench JSONL whose greedy answers --tau replays")
+    dbn.add_argument(
+        "--references", help="JSON of those answers: read if it exists, else generated (ar) and written"
+    )
+    dbn.add_argument("--max-new-tokens", type=positive_int, default=128, help="answer length for --tau")
+    dbn.add_argument(
+        "--dense",
+        action="store_true",
+        help="also dense retrieval latency (hidden states of the suite's prompts)",
+    )
+    dbn.add_argument("--json-out")
+    dbn.set_defaults(func=cmd_bench)
+    de = dsc_sub.add_parser("eval", help="dense index quality: MRR of the true continuation, recall vs exact")
+    de.add_argument("--datastore", required=True, nargs="+", help="dense version(s), compared side by side")
+    de.add_argument("--corpus", required=True, help="held-out JSONL (text the versions were not built from)")
+    add_model_args(de)
+    de.add_argument("--k", default="1,8,32,128", help="cut-offs for MRR, hit rate and recall")
+    de.add_argument("--n", type=positive_int, default=4, help="continuation length of the second MRR")
+    de.add_argument("--positions", type=positive_int, default=2000, help="held-out positions sampled")
+    de.add_argument("--window", type=positive_int, default=512)
+    de.add_argument("--hidden-cache", help="hidden-state cache (default: ~/.cache/specdraft/hidden)")
+    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--json-out")
+    de.set_defaults(func=cmd_evaluate)
+    di = dsc_sub.add_parser("info", help="check a version (checksums) and print its manifest summary")
+    di.add_argument("path")
+    di.add_argument("--no-verify", action="store_true", help="skip the checksums")
+    di.set_defaults(func=cmd_info)
+    dw = dsc_sub.add_parser("swap", help="make every shard load a version and switch to it")
+    dw.add_argument("--version", required=True, help="version name (beside the current one) or directory")
+    dw.add_argument("--datastore-addr", required=True, help="HOST:PORT[,HOST:PORT...] of every shard")
+    dw.add_argument("--timeout", type=float, default=600.0, help="seconds each shard may take to load")
+    dw.set_defaults(func=cmd_swap)
+
+
+def _dense_step(args: argparse.Namespace) -> tuple[Any, Any, Path]:
+    """(the build step adding the dense index, the model's tokenizer, the model directory)."""
+    from datastore_svc.dense import IndexParams
+    from datastore_svc.dense_build import DenseBuildConfig, dense_step
+    from llm_worker.model.loading import resolve_model_dir
+
+    target, tokenizer = model_from_args(args, "hf")
+    model_dir = resolve_model_dir(args.model)
+    try:
+        cfg = DenseBuildConfig(
+            dims=args.pca_dims,
+            index=args.index,
+            params=IndexParams(hnsw_m=args.hnsw_m, ivf_lists=args.ivf_lists, pq_bytes=args.pq_bytes),
+            window=args.window,
+            overlap=min(64, args.window // 4) if args.overlap is None else args.overlap,
+            batch=args.batch,
+            sample=args.stats_sample,
+            cache_dir=Path(args.hidden_cache) if args.hidden_cache else None,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    info = target.info
+    return dense_step(target.model, info.name, info.weights_id, cfg, not args.quiet), tokenizer, model_dir
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from datastore_svc.corpus import CorpusError
+    from datastore_svc.dense import DenseError
+    from datastore_svc.reports import build_report
+    from datastore_svc.store import DatastoreError, DatastoreVersion, build, derive_version, read_manifest
+    from datastore_svc.store import tokenizer_identity as identity
+
+    if args.source and not args.dense:
+        raise CliError("--from adds a dense index to an existing version's tokens: add --dense")
+    if bool(args.source) == bool(args.corpus):
+        raise CliError("give --corpus FILE (a new version) or --from VERSION --dense (a dense rebuild)")
+    if args.corpus and not Path(args.corpus).is_file():
+        raise CliError(f"corpus {args.corpus} does not exist")
+    extend = None
+    if args.dense:
+        extend, tokenizer, model_dir = _dense_step(args)
+    else:
+        tokenizer, model_dir = tokenizer_from_args(args)
+    t0 = time.perf_counter()
+    try:
+        if args.source:
+            assert extend is not None  # --from needs --dense (checked above)
+            if (
+                read_manifest(Path(args.source))["tokenizer"].get("fingerprint")
+                != identity(tokenizer)["fingerprint"]
+            ):
+                raise CliError(f"{args.source} was built with another tokenizer than {model_dir}'s")
+            derive_version(args.source, args.out, extend)
+        else:
+            build(args.corpus, tokenizer, args.out, args.shards, str(model_dir), not args.quiet, extend)
+        version = DatastoreVersion(args.out, verify=False)
+    except (DatastoreError, CorpusError, DenseError) as exc:
+        raise CliError(str(exc)) from exc
+    report = build_report(version, time.perf_counter() - t0)
+    if "dense" in report and args.redis and version.dense_stats is not None:
+        from datastore_svc.cache import StatsCache, link_for
+
+        try:
+            published = StatsCache(link_for(args.redis)).publish(version.version, version.dense_stats)
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
+        report["dense"]["published_to_redis"] = published
+    print_json(report)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from datastore_svc.selfgen import generate_corpus, read_prompts
+    from llm_worker.chat import chat_prompt_ids, prompt_ids
+    from llm_worker.engine import GenerationRequest
+
+    try:
+        prompts = list(read_prompts(args.prompts))
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    if args.limit:
+        prompts = prompts[: args.limit]
+    engine, _target, tokenizer = engine_from_args(args)
+    engine.runtime(args.mode)  # unknown or unavailable mode: fail before any work
+
+    def answer(messages: list[dict[str, str]]) -> str:
+        if getattr(tokenizer, "chat_template", None):
+            ids = chat_prompt_ids(tokenizer, messages)
+        else:  # a base model: the conversation as plain text (as `datastore build` renders it)
+            ids = prompt_ids(tokenizer, "\n\n".join(m["content"] for m in messages))
+        result = engine.generate(GenerationRequest(tuple(ids), args.max_new_tokens, args.mode))
+        return str(tokenizer.decode(result.token_ids, skip_special_tokens=True))
+
+    with tqdm(total=len(prompts), desc="answers", unit="prompt", disable=args.quiet) as bar:
+        counts = generate_corpus(prompts, answer, args.out, progress=bar.update)
+    print_json({"out": args.out, **counts})
+    return 0
+
+
+def cmd_local_corpus(args: argparse.Namespace) -> int:
+    from client.bench.datastore import code_questions, local_corpus
+
+    counts = local_corpus(args.out, args.max_chars)
+    if args.questions_out:
+        counts["questions"] = code_questions(args.questions_out, args.questions)
+    print_json({"out": args.out, **counts})
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from client.bench.datastore_run import DatastoreBenchConfig, DatastoreBenchError, run_datastore_bench
+
+    tokenizer, _ = tokenizer_from_args(args)
+    cfg = DatastoreBenchConfig(
+        datastore=args.datastore,
+        queries=args.queries,
+        grpc=args.grpc,
+        draftretriever=args.draftretriever,
+        tau=args.tau,
+        questions=args.questions,
+        references=args.references,
+        max_new_tokens=args.max_new_tokens,
+        dense=args.dense,
+    )
+    try:
+        report = run_datastore_bench(cfg, model_config(args), tokenizer)
+    except DatastoreBenchError as exc:
+        raise CliError(str(exc)) from exc
+    print_json(report, args.json_out)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from client.bench.dense_eval import evaluate_versions
+    from datastore_svc.corpus import CorpusError
+    from datastore_svc.store import DatastoreError
+
+    ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
+    if not ks or ks[0] < 1:
+        raise CliError("--k takes positive integers, e.g. 1,8,32")
+    if not Path(args.corpus).is_file():
+        raise CliError(f"corpus {args.corpus} does not exist")
+    target, tokenizer = model_from_args(args, "hf")
+    hidden_cache = Path(args.hidden_cache) if args.hidden_cache else None
+    try:
+        reports = evaluate_versions(
+            target, tokenizer, args.datastore, args.corpus, ks, args.n, args.positions, args.seed,
+            args.window, hidden_cache,
+        )  # fmt: skip
+    except (DatastoreError, CorpusError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    print_json({"corpus": args.corpus, "continuation": args.n, "versions": reports}, args.json_out, indent=1)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from datastore_svc.reports import info_report
+    from datastore_svc.store import DatastoreError, DatastoreVersion
+
+    try:
+        version = DatastoreVersion(args.path, verify=not args.no_verify)
+    except DatastoreError as exc:
+        raise CliError(str(exc)) from exc
+    print_json(info_report(version, verified=not args.no_verify))
+    return 0
+
+
+def cmd_swap(args: argparse.Namespace) -> int:
+    from datastore_svc.fanout import swap_all
+
+    shards = addresses(args.datastore_addr)
+    try:
+        swapped = swap_all(list(shards), args.version, timeout=args.timeout)
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from exc
+    for address, (previous, current) in zip(shards, swapped, strict=True):
+        sys.stderr.write(f"{address}: {previous} -> {current}\n")
+    return 0

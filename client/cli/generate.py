@@ -1,0 +1,174 @@
+"""``specdraft generate`` (in process, or through workers found by address or in a registry) and
+``specdraft modes``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from client.cli.common import CliError, add_datastore_args, add_model_args, addresses, engine_from_args
+
+
+def add_generate(sub: Any) -> None:
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    add_model_args(g)
+    add_datastore_args(g)
+    g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    g.add_argument("--mode", default="ar", help="drafting mode, e.g. ar, pld, pld+h, pld+a, pld+h:layer=12")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template (PROMPT is one user turn)"
+    )
+    g.add_argument(
+        "--stream", action="store_true", help="print text as it is generated (to stderr with --json)"
+    )
+    g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    g.add_argument("--server", help="HOST:PORT[,HOST:PORT...] of workers; default: decode in this process")
+    g.add_argument("--registry", help="find workers serving --mode in this registry (redis://HOST:PORT)")
+    g.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds with --server")
+    g.set_defaults(func=cmd_generate)
+
+
+def add_modes(sub: Any) -> None:
+    m = sub.add_parser("modes", help="list drafting modes")
+    add_model_args(m)
+    add_datastore_args(m)
+    m.set_defaults(func=cmd_modes)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise CliError("the prompt is empty")
+    if args.registry and not args.server:
+        args.server = _discover(args.registry, args.mode)
+    if args.server:
+        return _generate_remote(args, prompt)
+    return _generate_local(args, prompt)
+
+
+def _generate_local(args: argparse.Namespace, prompt: str) -> int:
+    engine, _target, tokenizer = engine_from_args(args)
+    from llm_worker.chat import chat_prompt_ids, prompt_ids
+    from llm_worker.config import SamplingParams
+    from llm_worker.drafters import ModeUnavailableError, UnknownModeError
+    from llm_worker.engine import GenerationRequest, InvalidRequestError, StepOutput
+    from llm_worker.results import GenerationResult
+
+    try:
+        ids = (
+            chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+            if args.chat
+            else prompt_ids(tokenizer, prompt)
+        )
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+        req = GenerationRequest(tuple(ids), args.max_new_tokens, args.mode, sampling)
+        stream_to = sys.stderr if args.json else sys.stdout
+        result = None
+        emitted: list[int] = []
+        printed = ""
+        for item in engine.stream(req):
+            if isinstance(item, StepOutput) and args.stream:
+                emitted.extend(item.token_ids)
+                text = tokenizer.decode(emitted, skip_special_tokens=True)
+                stream_to.write(text[len(printed) :])
+                stream_to.flush()
+                printed = text
+            elif isinstance(item, GenerationResult):
+                result = item
+    except (UnknownModeError, ModeUnavailableError, InvalidRequestError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    assert result is not None
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        if args.stream:
+            sys.stderr.write("\n")
+        sys.stdout.write(json.dumps(result.to_json(text, len(ids))) + "\n")
+    elif args.stream:
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+def _discover(url: str, mode: str) -> str:
+    from llm_worker.registry import discover, open_registry
+
+    try:
+        found = discover(open_registry(url), mode)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    except Exception as exc:  # the registry itself is unreachable
+        sys.stderr.write(f"specdraft: error: registry {url} unreachable: {exc}\n")
+        raise SystemExit(1) from exc
+    if not found:
+        raise CliError(f"no live worker in {url} serves mode {mode!r}")
+    return ",".join(found)
+
+
+def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
+    """``generate --server``: the same request and the same output, through a worker."""
+    import grpc
+
+    from client.grpc_client import GenerationClient, RequestOptions, build_request, response_to_json
+
+    options = RequestOptions(
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    request = (
+        build_request(chat=[("user", prompt)], options=options)
+        if args.chat
+        else build_request(text=prompt, options=options)
+    )
+    stream_to = sys.stderr if args.json else sys.stdout
+    with GenerationClient(list(addresses(args.server)), timeout=args.timeout) as client:
+        try:
+            if args.stream:
+                final = None
+                for chunk in client.generate_stream(request):
+                    if chunk.HasField("final"):
+                        final = chunk.final
+                    elif chunk.text:
+                        stream_to.write(chunk.text)
+                        stream_to.flush()
+                stream_to.write("\n")
+                assert final is not None, "the stream ended without a final message"
+                response = final
+            else:
+                response = client.generate(request)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            message = f"{code.name}: {exc.details()}"
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise CliError(message) from None
+            sys.stderr.write(f"specdraft: error: {message}\n")
+            return 1
+    if args.json:
+        sys.stdout.write(json.dumps(response_to_json(response)) + "\n")
+    elif not args.stream:
+        sys.stdout.write(response.text + "\n")
+    return 0
+
+
+def cmd_modes(args: argparse.Namespace) -> int:
+    engine, target, _tokenizer = engine_from_args(args)
+    from llm_worker.drafters import DRAFTERS
+
+    available = set(DRAFTERS.available(target, engine.resources))
+    for name in DRAFTERS.names():
+        spec = DRAFTERS.spec(name)
+        opts = f" (options: {', '.join(spec.options)})" if spec.options else ""
+        state = "" if name in available else "  [unavailable here]"
+        sys.stdout.write(f"{name:8s} {spec.summary}{opts}{state}\n")
+    return 0

@@ -1,0 +1,118 @@
+"""``specdraft serve worker`` (an LLM worker) and ``specdraft serve datastore`` (one shard)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from client.cli.common import CliError, add_datastore_args, add_model_args, engine_from_args
+
+
+def add_serve(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run a service")
+    serve_sub = serve.add_subparsers(dest="service", required=True)
+    w = serve_sub.add_parser("worker", help="an LLM worker (gRPC Generation service)")
+    add_model_args(w)
+    add_datastore_args(w)
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=50051, help="0 = any free port")
+    w.add_argument(
+        "--max-concurrent", type=int, default=4, help="generations at once; more get RESOURCE_EXHAUSTED"
+    )
+    w.add_argument("--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM")
+    w.add_argument("--default-max-new-tokens", type=int, default=256)
+    w.add_argument("--worker-id", default=None)
+    w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    w.add_argument(
+        "--registry", default=None, help="publish this worker in a registry: redis://HOST:PORT[/DB]"
+    )
+    w.add_argument(
+        "--registry-ttl", type=float, default=10.0, help="seconds a record lives without a heartbeat"
+    )
+    w.add_argument(
+        "--advertise", default=None, help="host:port to publish (default: --host and the bound port)"
+    )
+    w.add_argument(
+        "--no-warm", dest="warm", action="store_false", help="skip measuring the cost curve at start"
+    )
+    w.set_defaults(func=cmd_serve_worker)
+
+    ds = serve_sub.add_parser("datastore", help="one datastore shard (gRPC Datastore service)")
+    ds.add_argument("--datastore", required=True, help="the version directory to serve first")
+    ds.add_argument("--shard", type=int, default=0, help="which shard of the version")
+    ds.add_argument("--host", default="127.0.0.1")
+    ds.add_argument("--port", type=int, default=50061, help="0 = any free port")
+    ds.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    ds.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
+    ds.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=60.0,
+        help="keep a swapped-out version this long for its requests",
+    )
+    ds.add_argument("--redis", help="publish each loaded version's dense statistics here (redis://HOST:PORT)")
+    ds.add_argument(
+        "--faiss-gpu", type=int, default=None, help="search dense indexes on this GPU (needs faiss-gpu)"
+    )
+    ds.set_defaults(func=cmd_serve_datastore)
+
+
+def cmd_serve_worker(args: argparse.Namespace) -> int:
+    engine, _, tokenizer = engine_from_args(args)
+    from llm_worker.registry import open_registry
+    from llm_worker.server import ServerConfig, serve_worker
+    from llm_worker.worker import Worker
+
+    worker = Worker(
+        engine, tokenizer, worker_id=args.worker_id, default_max_new_tokens=args.default_max_new_tokens
+    )
+    if args.warm:
+        engine.cost_curve  # measure (or load) the verify cost curve before taking traffic  # noqa: B018
+    cfg = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_concurrent=args.max_concurrent,
+        grace_seconds=args.grace_seconds,
+        metrics_port=args.metrics_port,
+        advertise=args.advertise,
+    )
+    try:
+        registry = open_registry(args.registry, ttl=args.registry_ttl) if args.registry else None
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+    def ready(port: int) -> None:
+        sys.stderr.write(f"specdraft worker {worker.worker_id} listening on {args.host}:{port}\n")
+        sys.stderr.flush()
+
+    serve_worker(worker, cfg, ready, registry)
+    return 0
+
+
+def cmd_serve_datastore(args: argparse.Namespace) -> int:
+    from datastore_svc.server import ShardServerConfig, serve_shard
+    from datastore_svc.shard import ShardState
+    from datastore_svc.store import DatastoreError
+
+    try:
+        state = ShardState.open(
+            args.datastore, args.shard, drain_seconds=args.drain_seconds, faiss_gpu=args.faiss_gpu
+        )
+    except DatastoreError as exc:
+        raise CliError(str(exc)) from exc
+    cfg = ShardServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        grace_seconds=args.grace_seconds,
+        redis_url=args.redis,
+    )
+
+    def ready(port: int) -> None:
+        name = state.current.version
+        sys.stderr.write(f"specdraft datastore shard {args.shard} ({name}) listening on {args.host}:{port}\n")
+        sys.stderr.flush()
+
+    serve_shard(state, cfg, ready)
+    return 0

@@ -1,0 +1,135 @@
+"""Assembling a worker: the model, the datastore it drafts from, the dense caches, the engine.
+
+One composition root for the CLI (``specdraft generate``, ``serve worker``, ``bench``, ...), the
+server and the benchmarks: each builds a ``ModelConfig`` and a ``ResourceConfig`` and calls
+``load_engine``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from datastore_svc.protocols import Datastore
+from llm_worker.config import ModelConfig
+from llm_worker.drafters import DraftResources
+from llm_worker.engine import Engine
+from llm_worker.model import load_target
+from llm_worker.model.loading import ModelNotFoundError
+from llm_worker.model.target import TargetModel
+
+
+class AssemblyError(ValueError):
+    """The configuration cannot be assembled (a missing model, a bad datastore, both a local and
+    a remote datastore, ...); the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ResourceConfig:
+    """What a worker drafts from beyond the model (``DraftResources``)."""
+
+    datastore_path: str | None = None
+    """A datastore version directory, opened in this process."""
+    datastore_addresses: tuple[str, ...] = ()
+    """HOST:PORT of each datastore shard server (a remote fan-out)."""
+    datastore_deadline_seconds: float = 0.02
+    """Per-shard deadline of one remote retrieval."""
+    dense_cache_url: str | None = None
+    """redis://HOST:PORT[/DB] caching dense statistics and query results, shared by workers."""
+    dense_cache_ttl_seconds: int = 600
+    dense_cache_context_tokens: int = 0
+    """Key cached dense queries by the last N context tokens (0 = the whole context)."""
+    device: str = "cpu"
+    """The model's device: dense search runs on its GPU when faiss-gpu is installed."""
+
+
+def quiet_libraries() -> None:
+    """No hub access, no advisory warnings or progress bars from transformers and tokenizers."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_model(cfg: ModelConfig) -> tuple[TargetModel, Any]:
+    """(target, tokenizer); AssemblyError for a missing model or an impossible configuration."""
+    quiet_libraries()
+    try:
+        return load_target(cfg)
+    except (ModelNotFoundError, ValueError) as exc:
+        raise AssemblyError(str(exc)) from exc
+
+
+def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
+    """The datastore (local or remote) and the dense caches of ``cfg``; none of them when
+    ``cfg`` names no datastore."""
+    if cfg.datastore_path and cfg.datastore_addresses:
+        raise AssemblyError("give --datastore or --datastore-addr, not both")
+    datastore: Datastore | None = None
+    if cfg.datastore_path:
+        from datastore_svc.dense import faiss_gpus
+        from datastore_svc.store import DatastoreError, DatastoreVersion, LocalRetriever, tokenizer_identity
+
+        gpu = None  # dense search on the model's GPU when faiss-gpu is installed, else on the CPU
+        if cfg.device.startswith("cuda") and faiss_gpus() > 0:
+            gpu = int(cfg.device.split(":")[1]) if ":" in cfg.device else 0
+        try:
+            version = DatastoreVersion(
+                cfg.datastore_path,
+                tokenizer_fingerprint=tokenizer_identity(tokenizer)["fingerprint"],
+                faiss_gpu=gpu,
+            )
+        except DatastoreError as exc:
+            raise AssemblyError(str(exc)) from exc
+        datastore = LocalRetriever(version)
+    elif cfg.datastore_addresses:
+        from datastore_svc.fanout import RemoteDatastore
+
+        datastore = RemoteDatastore(
+            list(cfg.datastore_addresses), deadline_seconds=cfg.datastore_deadline_seconds
+        )
+    if datastore is None:
+        return DraftResources()
+    from datastore_svc.cache import QueryCache, StatsCache, link_for
+
+    try:
+        link = link_for(cfg.dense_cache_url)
+    except ValueError as exc:
+        raise AssemblyError(str(exc)) from exc
+    queries = (
+        QueryCache(link, ttl=cfg.dense_cache_ttl_seconds, context_window=cfg.dense_cache_context_tokens)
+        if link is not None
+        else None
+    )
+    return DraftResources(datastore, dense_stats=StatsCache(link), dense_queries=queries)
+
+
+def load_engine(
+    model: ModelConfig, resources: ResourceConfig | None = None
+) -> tuple[Engine, TargetModel, Any]:
+    """(engine, target, tokenizer): the model of ``model`` drafting from ``resources``."""
+    target, tokenizer = load_model(model)
+    return (
+        Engine(target, resources=build_resources(resources or ResourceConfig(), tokenizer)),
+        target,
+        tokenizer,
+    )
+
+
+def load_tokenizer(model_path: str | None) -> tuple[Any, Any]:
+    """(tokenizer, model directory) of ``model_path`` (None: the default model), without the
+    weights."""
+    quiet_libraries()
+    from transformers import AutoTokenizer
+
+    from llm_worker.model.loading import resolve_model_dir
+
+    try:
+        path = resolve_model_dir(model_path)
+    except ModelNotFoundError as exc:
+        raise AssemblyError(str(exc)) from exc
+    return AutoTokenizer.from_pretrained(path), path
