@@ -147,14 +147,6 @@ def fit_stats(sample: np.ndarray, dims: int, eps: float = 1e-6) -> DenseStats:
 # -- keys and their index ------------------------------------------------------------------------
 
 
-def key_positions(tokens: np.ndarray, separator: int) -> np.ndarray:
-    """Positions p that get a key: a token whose next token is in the same document."""
-    t = np.asarray(tokens)
-    if len(t) < 2:
-        return np.zeros(0, dtype=np.int64)
-    return np.flatnonzero((t[:-1] < separator) & (t[1:] < separator)).astype(np.int64)
-
-
 def choose_kind(num_keys: int, requested: str = "auto") -> str:
     if requested not in INDEX_KINDS:
         raise DenseError(f"index type {requested!r}: choose one of {', '.join(INDEX_KINDS)}")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from datastore_svc.store import DatastoreVersion
+from datastore_svc.store import ARRAYS, DENSE_FILES, DatastoreVersion
 
-SPARSE_FILES = ("tokens.npy", "sa.npy", "docs.npy")
-DENSE_FILES = ("dense.faiss", "positions.npy")
+SPARSE_FILES = tuple(f"{name}.npy" for name in ARRAYS)
 
 
 def file_bytes(manifest: dict[str, Any], names: tuple[str, ...]) -> int:

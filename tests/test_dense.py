@@ -23,7 +23,6 @@ from datastore_svc.dense import (
     drafts_from_hits,
     exact_search,
     fit_stats,
-    key_positions,
     merge_dense,
     recall_at,
 )
@@ -35,7 +34,14 @@ from datastore_svc.store import (
     derive_version,
     write_version,
 )
-from helpers.datastores import datastore_engine, dense_version, own_continuations, own_samples, tiny_identity
+from helpers.datastores import (
+    datastore_engine,
+    dense_version,
+    key_positions,
+    own_continuations,
+    own_samples,
+    tiny_identity,
+)
 from helpers.models import BACKEND_CASES, BACKEND_IDS, DraftTally, prompts, tiny_model
 from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution, sample_counts
 from llm_worker.config import ModelConfig, SamplingParams
@@ -229,6 +235,9 @@ def test_dense_version_builds_reuses_cached_states_and_rebuilds_other_dims(tiny,
     assert dense["chunks"]["computed"] > 0 and v1.dense_stats is not None
     for shard in v1.manifest["shards"]:
         assert {"dense.faiss", "positions.npy"} <= set(shard["files"])
+    for shard in v1.shards:  # every token but each document's last has a key
+        assert shard.dense is not None
+        assert shard.dense.positions.tolist() == key_positions(shard.tokens, shard.separator).tolist()
     # another PCA size and index type: a derived version, no hidden state computed again
     cfg = DenseBuildConfig(
         dims=8, index="hnsw", window=32, overlap=8, chunk_tokens=120, cache_dir=tmp_path / "hidden"

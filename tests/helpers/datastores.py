@@ -106,3 +106,12 @@ def own_samples_engine(tmp_path: Path, params: SamplingParams) -> tuple[Any, Eng
     docs = own_samples(target, prompt, params)
     write_version(docs, tmp_path / "v", VOCAB, tiny_identity(VOCAB, "t"))
     return model, datastore_engine(target, LocalRetriever(DatastoreVersion(tmp_path / "v"))), prompt
+
+
+def key_positions(tokens: np.ndarray, separator: int) -> np.ndarray:
+    """The positions the dense build gives a key (``dense_build``): every token whose next token
+    is in the same document."""
+    t = np.asarray(tokens)
+    if len(t) < 2:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero((t[:-1] < separator) & (t[1:] < separator)).astype(np.int64)
