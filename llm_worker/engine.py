@@ -9,6 +9,7 @@ what kind of draft it got (a tree: one forward with a tree mask; a batch: D rows
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -29,6 +30,15 @@ from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftTree
 from llm_worker.verify.steps import decider, verification_for
 
 NO_BUDGET = DraftBudget(0, 0)
+
+log = logging.getLogger(__name__)
+
+
+def _in_vocabulary(draft: Draft, vocab_size: int) -> bool:
+    """Whether every drafted token id is one the model has: ids from a datastore or a cache are
+    data, and one out of range would fail the forward (a device-side assert on CUDA)."""
+    rows = (draft.tokens,) if isinstance(draft, DraftTree) else draft.rows
+    return all(0 <= t < vocab_size for row in rows for t in row)
 
 
 def _top_probability(logits: torch.Tensor) -> float:
@@ -305,6 +315,11 @@ class Engine:
                 )
                 with rt.lock:
                     draft = drafter.propose(ctx)
+                    if len(draft) and not _in_vocabulary(draft, target.info.vocab_size):
+                        log.warning(
+                            "%s drafted a token id outside the vocabulary: draft dropped", drafter.name
+                        )
+                        draft = DraftTree.empty()
                     if len(draft):
                         draft = verification_for(draft).plan(planner, draft, out.length, confidence, budget)
             # one target forward over the root and the draft, verify, commit

@@ -32,6 +32,7 @@ from llm_worker.engine import StepOutput
 from llm_worker.metrics import WorkerMetrics
 from llm_worker.registry import Registry, WorkerRecord
 from llm_worker.results import GenerationResult, to_response
+from llm_worker.textstream import TextStream
 from llm_worker.worker import BadRequest, Worker, WorkRequest
 from specdraft.stubs import generation_pb2, generation_pb2_grpc
 
@@ -188,16 +189,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         call = _Call(request, "GenerateStream")
-        emitted: list[int] = []
-        printed = ""
+        stream = TextStream(self.worker.decode)
         async with self._observed(call):
             async for item, prompt_tokens in self._steps(request, context, call):
                 if isinstance(item, StepOutput):
-                    emitted.extend(item.token_ids)
-                    text = self.worker.decode(emitted)
-                    delta, printed = text[len(printed) :], text
-                    yield generation_pb2.GenerateChunk(token_ids=item.token_ids, text=delta)
+                    yield generation_pb2.GenerateChunk(
+                        token_ids=item.token_ids, text=stream.push(item.token_ids)
+                    )
                 else:
+                    rest = stream.finish()
+                    if rest:  # text held back for an unfinished character: the tokens never finished it
+                        yield generation_pb2.GenerateChunk(text=rest)
                     final = to_response(
                         item, self.worker.decode(item.token_ids), prompt_tokens, self.worker.worker_id
                     )

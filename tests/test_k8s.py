@@ -432,6 +432,7 @@ def test_datastore_args_parse_with_the_cli(
     ports = container_ports(container)
     assert (args.command, args.service) == ("serve", "datastore")
     assert str(args.shard) == FIELD_DUMMIES["metadata.labels['apps.kubernetes.io/pod-index']"]
+    assert args.host == "0.0.0.0", "a shard bound to loopback is unreachable for probes, metrics and workers"
     assert args.port == ports["grpc"], f"--port {args.port} is not the grpc container port"
     assert args.metrics_port == ports["metrics"], (
         f"--metrics-port {args.metrics_port} is not the metrics port"
@@ -544,9 +545,9 @@ def test_dockerfile_final_stage(path: Path, capsys: pytest.CaptureFixture[str]) 
     cmd = json.loads(ops["CMD"])
     assert {"--port", "--metrics-port"} <= set(cmd)
     assert {option(cmd, "--port"), option(cmd, "--metrics-port")} <= set(ops["EXPOSE"].split())
+    args = parse_cli(cmd, capsys)
+    assert args.host == "0.0.0.0", f"{path.name}: the server must listen beyond the container's loopback"
     if cmd[:2] == ["serve", "worker"]:
-        args = parse_cli(cmd, capsys)
-        assert args.host == "0.0.0.0"
         assert args.model in path.read_text(), "the default --model must be the one baked in the build stage"
     text = path.read_text()
     assert "python:3.11-slim-bookworm" in text

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from datastore_svc.protocols import SparseAnswer
+from datastore_svc.retrieval import Candidate, Retrieval
 from datastore_svc.store import DatastoreVersion, LocalRetriever, write_version
 from helpers.datastores import datastore_engine, datastore_for, own_samples_engine, tiny_identity
 from helpers.models import (
@@ -86,6 +88,30 @@ def test_a_failing_datastore_costs_drafts_not_the_generation() -> None:
     fused = engine.generate(GenerationRequest(tuple(prompt), 32, "rest"))  # the context still drafts
     assert fused.token_ids == ref
     assert fused.stats.drafted_tokens > 0 and fused.stats.accepted_tokens > 0, fused.stats
+
+
+class OutOfRangeRetriever:
+    """A datastore whose answers carry token ids the model does not have (corrupt data, a
+    datastore of another tokenizer, a poisoned cache)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def retrieve(self, context: np.ndarray, cfg: object, version: str = "") -> SparseAnswer:
+        bad = Candidate((int(context[-1]) % self.vocab_size, self.vocab_size + 5), (3, 3), None)
+        return SparseAnswer(Retrieval((bad,), 1, 3, 3), "v-bad")
+
+
+@pytest.mark.parametrize("mode", ["rest:ctx=0", "rest-batch:ctx=0"])
+def test_drafted_ids_outside_the_vocabulary_are_dropped_not_run(mode: str) -> None:
+    target = tiny_target("llama")
+    resources = DraftResources(OutOfRangeRetriever(target.info.vocab_size))
+    engine = Engine(target, EngineConfig(), curve=FLAT_CURVE, resources=resources)
+    prompt = prompts(target.info.vocab_size)[0]
+    ref = greedy_tokens(engine, prompt, "ar", 24)
+    result = engine.generate(GenerationRequest(tuple(prompt), 24, mode))
+    # Drafting is impossible here by design: every draft holds an id the model lacks.
+    assert result.token_ids == ref and result.stats.drafted_tokens == 0
 
 
 @pytest.mark.parametrize(

@@ -60,6 +60,7 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     from llm_worker.drafters import ModeUnavailableError, UnknownModeError
     from llm_worker.engine import GenerationRequest, InvalidRequestError, StepOutput
     from llm_worker.results import GenerationResult
+    from llm_worker.textstream import TextStream
 
     try:
         ids = (
@@ -71,17 +72,15 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
         req = GenerationRequest(tuple(ids), args.max_new_tokens, args.mode, sampling)
         stream_to = sys.stderr if args.json else sys.stdout
         result = None
-        emitted: list[int] = []
-        printed = ""
+        text_stream = TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         for item in engine.stream(req):
             if isinstance(item, StepOutput) and args.stream:
-                emitted.extend(item.token_ids)
-                text = tokenizer.decode(emitted, skip_special_tokens=True)
-                stream_to.write(text[len(printed) :])
+                stream_to.write(text_stream.push(item.token_ids))
                 stream_to.flush()
-                printed = text
             elif isinstance(item, GenerationResult):
                 result = item
+                if args.stream:
+                    stream_to.write(text_stream.finish())
     except (UnknownModeError, ModeUnavailableError, InvalidRequestError, ValueError) as exc:
         raise CliError(str(exc)) from exc
     assert result is not None

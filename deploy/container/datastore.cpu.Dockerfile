@@ -35,5 +35,5 @@ WORKDIR /home/specdraft
 EXPOSE 50061 9100
 ENTRYPOINT ["specdraft"]
 # /data/current: the link to the current version under /data/versions/ (see k8s/README.md)
-CMD ["serve", "datastore", "--datastore", "/data/current", "--shard", "0", \
+CMD ["serve", "datastore", "--datastore", "/data/current", "--shard", "0", "--host", "0.0.0.0", \
      "--port", "50061", "--metrics-port", "9100"]

@@ -36,5 +36,5 @@ WORKDIR /home/specdraft
 # gRPC (specdraft.v1.Datastore, grpc.health.v1, reflection) and Prometheus /metrics
 EXPOSE 50061 9100
 ENTRYPOINT ["specdraft"]
-CMD ["serve", "datastore", "--datastore", "/data/current", "--shard", "0", \
+CMD ["serve", "datastore", "--datastore", "/data/current", "--shard", "0", "--host", "0.0.0.0", \
      "--port", "50061", "--metrics-port", "9100"]
