@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from llm_worker.config import EngineConfig, SamplingParams
-from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState
+from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, parse_mode
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.results import GenerationResult, Provenance
@@ -30,6 +31,7 @@ from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftTree
 from llm_worker.verify.steps import decider, verification_for
 
 NO_BUDGET = DraftBudget(0, 0)
+MAX_MODE_RUNTIMES = 64
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +186,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.resources = resources or DraftResources()
         self._curve = curve
-        self._modes: dict[str, _ModeRuntime] = {}
+        self._modes: OrderedDict[str, _ModeRuntime] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -199,9 +201,15 @@ class Engine:
             return self._curve
 
     def runtime(self, mode: str) -> _ModeRuntime:
+        """The drafter and planners of ``mode``, kept for the ``MAX_MODE_RUNTIMES`` modes used
+        last (a request keeps its own even if it is dropped meanwhile): clients choose the mode
+        strings, so the cache must not grow with every variant they send."""
+        name, options = parse_mode(mode)  # may raise UnknownModeError
+        key = ":".join([name, *(f"{k}={v}" for k, v in sorted(options.items()))])
         with self._lock:
-            rt = self._modes.get(mode)
+            rt = self._modes.get(key)
             if rt is not None:
+                self._modes.move_to_end(key)
                 return rt
         # may raise UnknownModeError / ModeUnavailableError
         drafter = DRAFTERS.create(mode, self.target, self.resources)
@@ -209,7 +217,16 @@ class Engine:
         if drafter.proposes:
             planners = [DraftPlanner(self.cost_curve, self.config.planner) for _ in range(2)]
         with self._lock:
-            return self._modes.setdefault(mode, _ModeRuntime(drafter, *planners))
+            rt = self._modes.setdefault(key, _ModeRuntime(drafter, *planners))
+            self._modes.move_to_end(key)
+            while len(self._modes) > MAX_MODE_RUNTIMES:
+                self._modes.popitem(last=False)
+            return rt
+
+    @property
+    def cached_modes(self) -> int:
+        """How many modes' runtimes are kept now (at most ``MAX_MODE_RUNTIMES``)."""
+        return len(self._modes)
 
     def validate(self, req: GenerationRequest) -> None:
         info = self.target.info

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from helpers.models import FLAT_CURVE, DraftTally, engine_for, tiny_model
+from helpers.models import FLAT_CURVE, DraftTally, engine_for, tiny_model, tiny_target
 from llm_worker.config import CostConfig, EngineConfig, ModelConfig
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
@@ -142,3 +142,15 @@ def test_hidden_states_mean_the_same_on_both_backends(backend: str) -> None:
         ref = model(ids[None], output_hidden_states=True).hidden_states
     for layer in (0, 1, 2):
         assert torch.allclose(out.hidden[layer], ref[layer][0], atol=1e-5), layer
+
+
+def test_mode_runtimes_are_bounded_and_shared_by_spellings_of_one_mode() -> None:
+    from llm_worker.engine import MAX_MODE_RUNTIMES
+
+    engine = engine_for(tiny_target("llama"))
+    first = engine.runtime("pld:min_n=1:max_n=3")
+    assert engine.runtime(" pld : max_n=3 : min_n=1 ") is first  # the same options, another order
+    for i in range(3 * MAX_MODE_RUNTIMES):  # a client sending a new variant each time
+        engine.runtime(f"pld:max_n={'0' * i}3")
+    assert engine.cached_modes == MAX_MODE_RUNTIMES
+    assert engine.runtime("pld:max_n=3:min_n=1") is not first  # dropped long ago: made again
