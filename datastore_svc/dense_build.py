@@ -33,6 +33,11 @@ INDEX_FILE = "dense.faiss"
 POSITIONS_FILE = "positions.npy"
 
 
+def default_overlap(window: int) -> int:
+    """Context tokens before each window when none is asked for: a quarter window, at most 64."""
+    return min(64, window // 4)
+
+
 @dataclass(frozen=True)
 class DenseBuildConfig:
     dims: int = 64

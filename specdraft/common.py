@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,9 +28,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = temp_sibling(path)
     try:
         yield tmp
         os.replace(tmp, path)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from client.bench import datastore as bench
-from client.bench.dense import dense_latency, dense_queries
+from client.bench.dense import dense_latency, dense_queries, other_model_reason
 from datastore_svc.reports import DENSE_FILES, file_bytes
 from datastore_svc.store import DatastoreError, DatastoreVersion, LocalRetriever, tokenizer_identity
 from llm_worker.assembly import load_engine, load_model
@@ -116,8 +116,9 @@ def _dense_setup(version: DatastoreVersion, model: ModelConfig, count: int) -> t
     if version.dense_stats is None:
         raise DatastoreBenchError(f"{version.path} has no dense index (build it with --dense)")
     target, tokenizer = load_model(dataclasses.replace(model, backend="hf"))
-    if version.dense_model and version.dense_model != target.info.weights_id:
-        raise DatastoreBenchError(f"{version.path}: dense keys of another model than {target.info.name}")
+    reason = other_model_reason(version, target)
+    if reason:
+        raise DatastoreBenchError(reason)
     queries = dense_queries(target.model, tokenizer, count)
     return version.dense_stats, queries, dense_config({}, 3, 10)
 

@@ -17,6 +17,14 @@ from client.bench.timing import latency_ms
 from datastore_svc.dense import DenseConfig, DenseStats
 
 
+def other_model_reason(version: Any, target: Any) -> str | None:
+    """Why ``version``'s dense keys cannot serve ``target`` (another model's hidden states), or
+    None when they can."""
+    if version.dense_model and version.dense_model != target.info.weights_id:
+        return f"{version.path}: dense keys of another model than {target.info.name}"
+    return None
+
+
 def dense_queries(model: Any, tokenizer: Any, count: int, seed: int = 0) -> list[tuple[np.ndarray, int]]:
     """``count`` (hidden state, next token) pairs at random positions of the built-in suite's prompts."""
     import torch

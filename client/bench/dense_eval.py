@@ -142,12 +142,13 @@ def evaluate_versions(
 ) -> dict[str, dict[str, Any]]:
     """``evaluate`` for each dense version on the held-out ``corpus`` (its hidden states computed
     once, through ``target``'s transformers model): version name → its dims and report."""
+    from client.bench.dense import other_model_reason
     from datastore_svc.corpus import read_documents
-    from datastore_svc.dense_build import DenseBuildConfig, HiddenStates
+    from datastore_svc.dense_build import DenseBuildConfig, HiddenStates, default_overlap
     from datastore_svc.store import DatastoreVersion, tokenize_documents, tokenizer_identity
 
     fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
-    cfg = DenseBuildConfig(window=window, overlap=min(64, window // 4), cache_dir=hidden_cache)
+    cfg = DenseBuildConfig(window=window, overlap=default_overlap(window), cache_dir=hidden_cache)
     states = HiddenStates(target.model, target.info.weights_id, cfg)
     docs = tokenize_documents(read_documents(corpus, tokenizer), tokenizer)
     if not docs:
@@ -156,8 +157,9 @@ def evaluate_versions(
     reports: dict[str, dict[str, Any]] = {}
     for path in versions:
         version = DatastoreVersion(path, tokenizer_fingerprint=fingerprint)
-        if version.dense_model and version.dense_model != target.info.weights_id:
-            raise ValueError(f"{version.path}: dense keys of another model than {target.info.name}")
+        reason = other_model_reason(version, target)
+        if reason:
+            raise ValueError(reason)
         report = evaluate(version, hidden, docs, ks, n=n, count=positions, seed=seed)
         reports[version.version] = {"dims": version.dense_stats.dims if version.dense_stats else 0}
         reports[version.version].update(report.as_dict())

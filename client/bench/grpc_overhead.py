@@ -13,14 +13,13 @@ The worker runs in its own process (``specdraft up --no-redis``) unless ``--serv
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from client.bench.timing import latency_ms
 from client.grpc_client import GenerationClient, RequestOptions, build_request
-from specdraft.common import percentile
 
 
 @dataclass(frozen=True)
@@ -45,11 +44,9 @@ class OverheadReport:
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "median": round(percentile(values, 0.5), 3),
-        "p99": round(percentile(values, 0.99), 3),
-        "mean": round(statistics.fmean(values), 3),
-    }
+    """``timing.latency_ms`` under this report's keys (median, p99, mean)."""
+    latency = latency_ms(values)
+    return {"median": latency["p50_ms"], "p99": latency["p99_ms"], "mean": latency["mean_ms"]}
 
 
 def measure_overhead(
@@ -81,7 +78,7 @@ def measure_overhead(
         new_tokens=max_new_tokens,
         unary_ms=summary(unary),
         stream_ms_per_token=summary(stream),
-        engine_ms_per_token=round(percentile(engine, 0.5), 3),
+        engine_ms_per_token=latency_ms(engine)["p50_ms"],
     )
 
 

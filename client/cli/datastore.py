@@ -119,7 +119,7 @@ def add_datastore(sub: Any) -> None:
 def _dense_step(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     """(the build step adding the dense index, the model's tokenizer, the model directory)."""
     from datastore_svc.dense import IndexParams
-    from datastore_svc.dense_build import DenseBuildConfig, dense_step
+    from datastore_svc.dense_build import DenseBuildConfig, default_overlap, dense_step
     from llm_worker.model.loading import resolve_model_dir
 
     target, tokenizer = model_from_args(args, "hf")
@@ -130,7 +130,7 @@ def _dense_step(args: argparse.Namespace) -> tuple[Any, Any, Path]:
             index=args.index,
             params=IndexParams(hnsw_m=args.hnsw_m, ivf_lists=args.ivf_lists, pq_bytes=args.pq_bytes),
             window=args.window,
-            overlap=min(64, args.window // 4) if args.overlap is None else args.overlap,
+            overlap=default_overlap(args.window) if args.overlap is None else args.overlap,
             batch=args.batch,
             sample=args.stats_sample,
             cache_dir=Path(args.hidden_cache) if args.hidden_cache else None,
