@@ -1,8 +1,11 @@
 """Typed gRPC clients for LLM workers: sync and async, with deadlines, retries and fail-over.
 
 - Every call has a deadline (``timeout``, default 300 s for generation, 10 s otherwise).
-- gRPC's own retry policy retries UNAVAILABLE with exponential backoff on one worker; when a
-  worker stays unavailable, the client fails over to the next address it knows.
+- gRPC's own retry policy retries UNAVAILABLE with exponential backoff on one worker, throttled
+  as gRFC A6 says (retries stop while more than half the recent calls failed); when a worker
+  stays unavailable or is at its limit (RESOURCE_EXHAUSTED), the client fails over to the next
+  address it knows.
+- ``security`` (``specdraft.security.ClientSecurity``): TLS, mutual TLS and a bearer token.
 - A stream is only retried or failed over before its first chunk arrived (afterwards the
   output would be duplicated).
 """
@@ -16,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from specdraft.security import ClientSecurity
 from specdraft.stubs import common_pb2, generation_pb2, generation_pb2_grpc
 
 RETRY_POLICY = {
@@ -30,9 +34,10 @@ RETRY_POLICY = {
                 "retryableStatusCodes": ["UNAVAILABLE"],
             },
         }
-    ]
+    ],
+    "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
 }
-FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE,)
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 1),
     ("grpc.service_config", json.dumps(RETRY_POLICY)),
@@ -87,12 +92,15 @@ def build_request(
 class GenerationClient:
     """Blocking client over one or more worker addresses (``host:port``), tried in order."""
 
-    def __init__(self, addresses: Sequence[str], timeout: float = 300.0) -> None:
+    def __init__(
+        self, addresses: Sequence[str], timeout: float = 300.0, security: ClientSecurity | None = None
+    ) -> None:
         if not addresses:
             raise ValueError("no worker address given")
         self.addresses = list(addresses)
         self.timeout = timeout
-        self._channels = {a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses}
+        security = security or ClientSecurity()
+        self._channels = {a: security.channel(a, CHANNEL_OPTIONS) for a in self.addresses}
         self._stubs = {a: generation_pb2_grpc.GenerationStub(c) for a, c in self._channels.items()}
 
     def _call(self, method: str, request: Any, timeout: float) -> Any:
@@ -148,12 +156,15 @@ class GenerationClient:
 class AsyncGenerationClient:
     """The same over ``grpc.aio``."""
 
-    def __init__(self, addresses: Sequence[str], timeout: float = 300.0) -> None:
+    def __init__(
+        self, addresses: Sequence[str], timeout: float = 300.0, security: ClientSecurity | None = None
+    ) -> None:
         if not addresses:
             raise ValueError("no worker address given")
         self.addresses = list(addresses)
         self.timeout = timeout
-        self._channels = {a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses}
+        security = security or ClientSecurity()
+        self._channels = {a: security.aio_channel(a, CHANNEL_OPTIONS) for a in self.addresses}
         self._stubs = {a: generation_pb2_grpc.GenerationStub(c) for a, c in self._channels.items()}
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:

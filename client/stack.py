@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdraft.common import atomic_write_text
+from specdraft.common import atomic_write_text, temp_sibling
 
 STATE_FILE = "stack.json"
 
@@ -78,6 +78,8 @@ class Process:
     started: float = 0.0
     """Kernel start time of the process (``/proc``), so that ``down`` never signals a reused pid."""
     metrics: str = ""
+    admin: str = ""
+    """A shard's admin address (DatastoreAdmin: LoadVersion, SwapVersion)."""
 
 
 @dataclass
@@ -94,6 +96,9 @@ class StackState:
     def worker_addresses(self) -> list[str]:
         return [p.address for p in self.workers()]
 
+    def admin_addresses(self) -> list[str]:
+        return [p.admin for p in self.shards()]
+
     def to_json(self) -> dict[str, Any]:
         return {"registry": self.registry, "processes": [asdict(p) for p in self.processes]}
 
@@ -102,6 +107,25 @@ class StackState:
         return StackState(
             processes=[Process(**p) for p in data.get("processes", [])], registry=data.get("registry", "")
         )
+
+
+ADMIN_TOKEN_FILE = "admin-token"
+"""The stack's admin token (the shards accept it for LoadVersion / SwapVersion), mode 0600."""
+
+
+def admin_token_file(state_dir: Path) -> Path:
+    """The stack's admin token file, made (a fresh random token) if missing."""
+    path = state_dir / ADMIN_TOKEN_FILE
+    if not path.exists():
+        import secrets
+
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = temp_sibling(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32) + "\n")
+        os.replace(tmp, path)
+    return path
 
 
 # -- state file ---------------------------------------------------------------------------------
@@ -349,10 +373,13 @@ def start_shards(cfg: StackConfig, state: StackState, state_dir: Path, logs: Pat
                 f"port {port} for datastore shard {i} is in use; choose another with --datastore-port"
             )
         argv = [sys.executable, "-m", "client.cli", "serve", "datastore", "--datastore", str(cfg.datastore)]
-        argv += ["--shard", str(i), "--port", str(port)]
+        admin_port = _free_port()
+        argv += ["--shard", str(i), "--port", str(port), "--admin-port", str(admin_port)]
+        argv += ["--admin-token-file", str(admin_token_file(state_dir))]
         if state.registry:  # shards publish dense statistics where workers look first
             argv += ["--redis", state.registry]
         proc = _spawn(f"shard-{i}", "datastore", argv, f"127.0.0.1:{port}", logs / f"shard-{i}.log")
+        proc.admin = f"127.0.0.1:{admin_port}"
         state.processes.append(proc)
         shards.append(proc)
         write_state(state_dir, state)

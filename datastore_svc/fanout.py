@@ -6,7 +6,11 @@ step drafts nothing. Nothing here can fail a generation.
 
 Versions: a request's first retrieval is answered by whatever version the shards serve; the
 version most of them answered with is returned and the caller pins later calls to it (during a
-swap shards may briefly disagree — answers of another version are dropped, never mixed).
+swap shards may briefly disagree — answers of another version are never mixed in; they are
+counted per shard in ``off_version``, exported as a metric, and logged once per shard and version).
+
+``swap_all`` changes the version of every shard in two phases with rollback (load everywhere,
+then compare-and-swap everywhere; if one shard fails, the others return to their version).
 
 Dense retrieval sends the reduced query embedding and the verified next token; the statistics
 that make the embedding come from a shard's Info call (``dense_stats``; the caller caches them,
@@ -18,7 +22,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -35,6 +40,7 @@ from datastore_svc.dense import (
 )
 from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
 from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge
+from specdraft.security import ClientSecurity
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -67,14 +73,22 @@ class DatastoreUnavailable(RuntimeError):
 class RemoteDatastore:
     """``SparseRetriever`` and ``DenseRetriever`` over shard servers at ``addresses`` (one per shard)."""
 
-    def __init__(self, addresses: Sequence[str], deadline_seconds: float = 0.02) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        deadline_seconds: float = 0.02,
+        security: ClientSecurity | None = None,
+    ) -> None:
         if not addresses:
             raise ValueError("no datastore shard address given")
         self.addresses = list(addresses)
         self.deadline_seconds = deadline_seconds
-        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
+        security = security or ClientSecurity()
+        self._channels = [security.channel(a) for a in self.addresses]
         self._stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in self._channels]
         self.failures: Counter[str] = Counter()  # per address: calls that failed or timed out
+        self.off_version: Counter[str] = Counter()  # per address: answers from another version
+        self._reported: set[tuple[str, str]] = set()  # (address, version) already logged
         self.info_timeout = 0.5
         self.recheck_seconds = 5.0
         self._stats_failed: dict[str, float] = {}  # version -> when no shard could describe it
@@ -96,22 +110,43 @@ class RemoteDatastore:
         answers = self._gather(request)
         if not answers:
             return SparseAnswer(Retrieval((), 0, 0, 0), version)
-        chosen = version or Counter(a.version for a in answers).most_common(1)[0][0]
+        chosen = self._chosen(answers, version)
         if not version:  # an unpinned answer says what the shards serve now
             self._current = chosen
-        results = [sparse_from_response(a) for a in answers if a.version == chosen]
+        results = [sparse_from_response(a) for a in self._of_version(answers, chosen)]
         return SparseAnswer(merge(results, cfg.max_nodes, cfg.max_candidates), chosen)
 
-    def _gather(self, request: datastore_pb2.RetrieveRequest) -> list[datastore_pb2.RetrieveResponse]:
+    def _gather(self, request: datastore_pb2.RetrieveRequest) -> list[tuple[str, Any]]:
+        """(address, response) of every shard that answered in time."""
         calls = [stub.Retrieve.future(request, timeout=self.deadline_seconds) for stub in self._stubs]
         answers = []
         for address, call in zip(self.addresses, calls, strict=True):
             try:
-                answers.append(call.result())
+                answers.append((address, call.result()))
             except grpc.RpcError as exc:
                 self.failures[address] += 1
                 log.debug("shard %s missing this step: %s", address, exc.code())
         return answers
+
+    @staticmethod
+    def _chosen(answers: list[tuple[str, Any]], version: str) -> str:
+        return version or Counter(a.version for _, a in answers).most_common(1)[0][0]
+
+    def _of_version(self, answers: list[tuple[str, Any]], chosen: str) -> Iterator[Any]:
+        """The answers of version ``chosen``; the others are counted and reported, not merged."""
+        for address, answer in answers:
+            if answer.version == chosen:
+                yield answer
+                continue
+            self.off_version[address] += 1
+            if (address, answer.version) not in self._reported:
+                self._reported.add((address, answer.version))
+                log.warning(
+                    "shard %s answers from version %s, the request from %s: its candidates are left out",
+                    address,
+                    answer.version,
+                    chosen,
+                )
 
     def retrieve_dense(
         self, query: np.ndarray, next_token: int, cfg: DenseConfig, version: str = ""
@@ -129,8 +164,8 @@ class RemoteDatastore:
         answers = self._gather(request)
         if not answers:
             return DenseAnswer(NO_DENSE, version)
-        chosen = version or Counter(a.version for a in answers).most_common(1)[0][0]
-        results = [dense_from_response(a) for a in answers if a.version == chosen]
+        chosen = self._chosen(answers, version)
+        results = [dense_from_response(a) for a in self._of_version(answers, chosen)]
         return DenseAnswer(merge_dense(results, cfg.max_candidates), chosen)
 
     def current_version(self) -> str:
@@ -181,32 +216,115 @@ class RemoteDatastore:
             channel.close()
 
 
-def swap_all(addresses: Sequence[str], version: str, timeout: float = 600.0) -> list[tuple[str, str]]:
-    """Two phases over every shard: load ``version`` everywhere, then make it current everywhere.
+class ShardsCollector:
+    """Prometheus view of a ``RemoteDatastore``: per shard, failed calls and answers left out
+    because they came from another version (register on a worker's registry)."""
 
-    If any shard cannot load it, nothing is swapped (the error says which shard and why).
-    Returns (previous, current) per shard.
-    """
-    channels = [grpc.insecure_channel(a) for a in addresses]
+    def __init__(self, remote: RemoteDatastore) -> None:
+        self.remote = remote
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        failed = CounterMetricFamily(
+            "specdraft_shard_failures", "Shard calls that failed or missed their deadline", labels=["shard"]
+        )
+        off = CounterMetricFamily(
+            "specdraft_shard_off_version",
+            "Shard answers left out: another datastore version than the request's",
+            labels=["shard"],
+        )
+        for address in self.remote.addresses:
+            failed.add_metric([address], self.remote.failures[address])
+            off.add_metric([address], self.remote.off_version[address])
+        yield failed
+        yield off
+
+
+class SwapError(RuntimeError):
+    """A swap across shards that did not happen; the text says which shard, why, and where the
+    shards are now."""
+
+
+def _admin_stubs(
+    addresses: Sequence[str], security: ClientSecurity
+) -> tuple[list[grpc.Channel], list[datastore_pb2_grpc.DatastoreAdminStub]]:
+    channels = [security.channel(a) for a in addresses]
+    return channels, [datastore_pb2_grpc.DatastoreAdminStub(c) for c in channels]
+
+
+def load_all(
+    addresses: Sequence[str], version: str, security: ClientSecurity | None = None, timeout: float = 600.0
+) -> list[str]:
+    """Phase one: load ``version`` on every shard (admin addresses); each shard's current version.
+    If any shard cannot load it, SwapError says which and why (nothing was swapped)."""
+    channels, stubs = _admin_stubs(addresses, security or ClientSecurity())
     try:
-        stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in channels]
-        loads = [
-            s.LoadVersion.future(datastore_pb2.LoadVersionRequest(path=version), timeout=timeout)
-            for s in stubs
-        ]
-        names = []
-        for address, call in zip(addresses, loads, strict=True):
+        request = datastore_pb2.LoadVersionRequest(version=version)
+        calls = [s.LoadVersion.future(request, timeout=timeout) for s in stubs]
+        currents = []
+        for address, call in zip(addresses, calls, strict=True):
             try:
-                names.append(call.result().version)
+                currents.append(call.result().current)
             except grpc.RpcError as exc:
-                raise RuntimeError(f"shard {address} refused version {version!r}: {exc.details()}") from None
-        if len(set(names)) != 1:
-            raise RuntimeError(f"shards loaded different versions: {names}")
-        swapped = []
-        for stub in stubs:
-            resp = stub.SwapVersion(datastore_pb2.SwapVersionRequest(version=names[0]), timeout=30)
-            swapped.append((resp.previous, resp.current))
-        return swapped
+                raise SwapError(f"shard {address} refused version {version!r}: {exc.details()}") from None
+        return currents
     finally:
         for channel in channels:
             channel.close()
+
+
+def swap_loaded(
+    addresses: Sequence[str],
+    version: str,
+    expected: Sequence[str],
+    security: ClientSecurity | None = None,
+    timeout: float = 30.0,
+) -> list[tuple[str, str]]:
+    """Phase two: on each shard in turn, make the loaded ``version`` current if it still serves
+    ``expected[i]`` (compare-and-swap). If a shard fails, the shards already swapped return to
+    their previous version and SwapError says what happened. (previous, current) per shard."""
+    channels, stubs = _admin_stubs(addresses, security or ClientSecurity())
+    done: list[tuple[str, Any, str]] = []  # (address, stub, previous)
+    try:
+        for address, stub, before in zip(addresses, stubs, expected, strict=True):
+            request = datastore_pb2.SwapVersionRequest(version=version, expected_previous=before)
+            try:
+                resp = stub.SwapVersion(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                undone = _roll_back(done, version, timeout)
+                why = f"{exc.code().name}: {exc.details()}"
+                raise SwapError(f"shard {address} did not swap to {version!r} ({why}); {undone}") from None
+            done.append((address, stub, resp.previous))
+        return [(previous, version) for _, _, previous in done]
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def _roll_back(done: list[tuple[str, Any, str]], version: str, timeout: float) -> str:
+    """Return the shards in ``done`` from ``version`` to their previous one; what happened."""
+    if not done:
+        return "no shard had swapped"
+    failed = []
+    for address, stub, previous in reversed(done):
+        request = datastore_pb2.SwapVersionRequest(version=previous, expected_previous=version)
+        try:
+            stub.SwapVersion(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            failed.append(f"{address} ({exc.code().name}: {exc.details()})")
+    back = ", ".join(a for a, _, _ in done)
+    if failed:
+        return f"rolling back failed on {'; '.join(failed)}: those shards still serve {version!r}"
+    return f"rolled back {back} to their previous version"
+
+
+def swap_all(
+    addresses: Sequence[str], version: str, security: ClientSecurity | None = None, timeout: float = 600.0
+) -> list[tuple[str, str]]:
+    """Make ``version`` current on every shard (admin addresses, one per shard): ``load_all``,
+    then ``swap_loaded`` against the versions the shards reported. Either every shard swaps or
+    every shard stays on (or returns to) its version; a concurrent swap makes one of the two fail
+    its compare-and-swap. Returns (previous, current) per shard."""
+    expected = load_all(addresses, version, security, timeout)
+    return swap_loaded(addresses, version, expected, security, min(timeout, 30.0))

@@ -28,6 +28,8 @@ import numpy as np
 from datastore_svc.suffix import SuffixIndex
 
 PAD = -1
+MAX_READ_TOKENS = 262_144
+"""N · L, the tokens one retrieval reads at most (e.g. N 4096 × L 64): bounds its time and memory."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ class RetrievalConfig:
         for name in ("max_occurrences", "max_length", "max_nodes", "max_candidates"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.max_occurrences * self.max_length > MAX_READ_TOKENS:
+            raise ValueError(
+                f"N × L = {self.max_occurrences} × {self.max_length} reads more than {MAX_READ_TOKENS} tokens"
+            )
 
 
 @dataclass(frozen=True)

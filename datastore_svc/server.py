@@ -1,11 +1,17 @@
-"""A datastore shard as a gRPC server: a thin ``grpc.aio`` servicer over ``ShardState``.
+"""A datastore shard as gRPC servers: thin ``grpc.aio`` servicers over ``ShardState``.
 
-Retrieve (sparse or dense: the request's query says which),
-GetShardInfo (with the dense statistics on request), and the admin calls LoadVersion /
-SwapVersion; the standard health service and server reflection; Prometheus metrics on an HTTP
-port. Bad input gets INVALID_ARGUMENT, an unknown version NOT_FOUND, a version that cannot be
-loaded (or has no dense index) FAILED_PRECONDITION — and the shard keeps serving its current
-version. With a Redis URL, the shard publishes each loaded version's dense statistics there.
+- The data port serves ``Datastore`` — Retrieve (sparse or dense: the request's query says
+  which), GetShardInfo (with the dense statistics on request) — the standard health service and
+  server reflection.
+- The admin port serves ``DatastoreAdmin`` — LoadVersion (a version *name* under the versions
+  root), SwapVersion (compare-and-swap) — for the admin identity only (``specdraft.guard``).
+- Retrievals run in a bounded thread pool: at most ``max_pending`` wait or run; beyond that,
+  RESOURCE_EXHAUSTED at once. A request whose deadline passed before its turn is dropped without
+  computing (counted). The event loop never computes, so health answers stay fast.
+- Bad input gets INVALID_ARGUMENT, an unknown version NOT_FOUND, a version that cannot be
+  loaded (or has no dense index) FAILED_PRECONDITION — and the shard keeps serving its current
+  version. Prometheus metrics on an HTTP port. With a Redis URL, the shard publishes each
+  loaded version's dense statistics there.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -28,12 +35,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from datastore_svc.cache import StatsCache, link_for
 from datastore_svc.dense import DenseConfig, DenseRetrieval
 from datastore_svc.retrieval import Retrieval, RetrievalConfig
-from datastore_svc.shard import ShardState, VersionNotLoaded
+from datastore_svc.shard import (
+    BadVersionName,
+    ShardState,
+    UnexpectedVersion,
+    VersionMissing,
+    VersionNotLoaded,
+)
 from datastore_svc.store import DatastoreError
+from specdraft.guard import Guard
+from specdraft.security import ServerSecurity, listen
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 SERVICE_NAME = datastore_pb2.DESCRIPTOR.services_by_name["Datastore"].full_name
+ADMIN_SERVICE_NAME = datastore_pb2.DESCRIPTOR.services_by_name["DatastoreAdmin"].full_name
 MAX_CONTEXT = 1024
 MAX_LENGTH = 256
 MAX_CANDIDATES = 1024
@@ -45,6 +62,14 @@ MAX_TOP_K = 4096
 class ShardServerConfig:
     host: str = "127.0.0.1"
     port: int = 50061  # 0 = a free port
+    admin_port: int | None = 50062
+    """The DatastoreAdmin service's own port (0 = a free one; None = no admin service)."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    """TLS, mutual TLS, tokens and the admin identity (``specdraft.security``)."""
+    retrieve_threads: int = 2
+    """Threads that compute retrievals."""
+    max_pending: int = 16
+    """Retrievals waiting or running at once; more get RESOURCE_EXHAUSTED."""
     metrics_port: int | None = None
     grace_seconds: float = 10.0
     defaults: RetrievalConfig = field(default_factory=RetrievalConfig)
@@ -81,6 +106,12 @@ class ShardMetrics:
         )
         self.tokens = Gauge("specdraft_datastore_tokens", "Tokens in the current version's shard", registry=r)
         self.swaps = Counter("specdraft_datastore_swaps", "Version swaps", registry=r)
+        self.expired = Counter(
+            "specdraft_datastore_expired",
+            "Retrievals dropped without computing: their deadline passed before their turn",
+            registry=r,
+        )
+        self.pending = Gauge("specdraft_datastore_pending", "Retrievals waiting or running", registry=r)
 
     def serve(self, port: int, host: str) -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -155,18 +186,57 @@ def sparse_response(result: Retrieval, version: str) -> datastore_pb2.RetrieveRe
     return resp
 
 
+class Expired(Exception):
+    """The request's deadline passed before its retrieval started."""
+
+
 class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
     def __init__(self, state: ShardState, cfg: ShardServerConfig, metrics: ShardMetrics) -> None:
         self.state = state
         self.cfg = cfg
         self.metrics = metrics
         self.draining = False
-        self.stats_cache = StatsCache(link_for(cfg.redis_url)) if cfg.redis_url else None
+        self.pending = 0
+        self.executor = ThreadPoolExecutor(max_workers=cfg.retrieve_threads, thread_name_prefix="retrieve")
+
+    async def _compute(self, context: Any, work: Callable[[], T]) -> T:
+        """Run ``work`` in the retrieval pool: refused beyond ``max_pending``, dropped if the
+        caller's deadline passes before it starts."""
+        if self.pending >= self.cfg.max_pending:
+            message = f"the shard has {self.cfg.max_pending} retrievals pending; retry later"
+            await self._abort(context, "Retrieve", grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+
+        def run() -> T:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise Expired
+            return work()
+
+        self.pending += 1
+        self.metrics.pending.set(self.pending)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        except Expired:
+            self.metrics.expired.inc()
+            await self._abort(
+                context, "Retrieve", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the retrieval"
+            )
+            raise  # not reached: abort raises
+        finally:
+            self.pending -= 1
+            self.metrics.pending.set(self.pending)
 
     async def Retrieve(self, request: Any, context: Any) -> datastore_pb2.RetrieveResponse:
         t0 = time.perf_counter()
         if self.draining:
             await self._abort(context, "Retrieve", grpc.StatusCode.UNAVAILABLE, "the shard is shutting down")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            self.metrics.expired.inc()
+            await self._abort(
+                context, "Retrieve", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already passed"
+            )
         kind = request.WhichOneof("query")
         if kind == "dense":
             return await self._retrieve_dense(request, context, t0)
@@ -186,7 +256,9 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
             message = f"context token ids must lie in [0, {separator})"
             await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, message)
         try:
-            result, version = self.state.retrieve(tokens, cfg, store.version)
+            result, version = await self._compute(
+                context, lambda: self.state.retrieve(tokens, cfg, store.version)
+            )
         except VersionNotLoaded as exc:  # released between the lookup and now
             await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
         self.metrics.latency.observe(time.perf_counter() - t0)
@@ -216,7 +288,10 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
         except ValueError as exc:
             await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            result, version = self.state.retrieve_dense(query, int(dense.next_token), cfg, store.version)
+            result, version = await self._compute(
+                context,
+                lambda: self.state.retrieve_dense(query, int(dense.next_token), cfg, store.version),
+            )
         except VersionNotLoaded as exc:
             await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
         self.metrics.latency.observe(time.perf_counter() - t0)
@@ -251,22 +326,44 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
                 info.dense.stats = stats.to_bytes()
         return info
 
+    async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.requests.labels(method, code.name).inc()
+        await context.abort(code, message)
+
+
+class AdminServicer(datastore_pb2_grpc.DatastoreAdminServicer):
+    """Load and swap versions; the guard lets only the admin identity call these."""
+
+    def __init__(self, state: ShardState, cfg: ShardServerConfig, metrics: ShardMetrics) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.stats_cache = StatsCache(link_for(cfg.redis_url)) if cfg.redis_url else None
+
+    def _quiet(self, text: str) -> str:
+        """An error text without the versions root's place on disk."""
+        return text.replace(f"{self.state.versions_root.resolve()}/", "").replace(
+            f"{self.state.versions_root}/", ""
+        )
+
     async def LoadVersion(self, request: Any, context: Any) -> datastore_pb2.LoadVersionResponse:
-        if not request.path:
-            await self._abort(context, "LoadVersion", grpc.StatusCode.INVALID_ARGUMENT, "path is empty")
         try:
-            name = await asyncio.to_thread(self.state.load, request.path)
+            name = await asyncio.to_thread(self.state.load, request.version)
+        except BadVersionName as exc:
+            await self._abort(context, "LoadVersion", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except VersionMissing as exc:
+            await self._abort(context, "LoadVersion", grpc.StatusCode.NOT_FOUND, str(exc))
         except DatastoreError as exc:
-            await self._abort(context, "LoadVersion", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            message = f"version {request.version!r} cannot be loaded: {self._quiet(str(exc))}"
+            await self._abort(context, "LoadVersion", grpc.StatusCode.FAILED_PRECONDITION, message)
         log.info("shard %d loaded version %s", self.state.index, name)
         await asyncio.to_thread(self.publish_stats, name)
         self.metrics.requests.labels("LoadVersion", "OK").inc()
-        return datastore_pb2.LoadVersionResponse(version=name)
+        return datastore_pb2.LoadVersionResponse(version=name, current=self.state.current_version())
 
     async def SwapVersion(self, request: Any, context: Any) -> datastore_pb2.SwapVersionResponse:
         try:
-            previous, current = self.state.swap(request.version)
-        except VersionNotLoaded as exc:
+            previous, current = self.state.swap(request.version, request.expected_previous)
+        except (VersionNotLoaded, UnexpectedVersion) as exc:
             await self._abort(context, "SwapVersion", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         log.info("shard %d swapped %s -> %s", self.state.index, previous, current)
         self.metrics.swaps.inc()
@@ -290,6 +387,14 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
         await context.abort(code, message)
 
 
+def _health_and_reflection(server: grpc.aio.Server, services: tuple[str, ...]) -> health_aio.HealthServicer:
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return health
+
+
 class ShardServer:
     def __init__(
         self, state: ShardState, cfg: ShardServerConfig, metrics: ShardMetrics | None = None
@@ -298,28 +403,37 @@ class ShardServer:
         self.cfg = cfg
         self.metrics = metrics or ShardMetrics()
         self.metrics.tokens.set(state.current.tokens)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        roles = {SERVICE_NAME: "client", ADMIN_SERVICE_NAME: "admin"}
+
+        def observe(method: str, code: str) -> None:
+            self.metrics.requests.labels(method, code).inc()
+
+        guard = Guard(cfg.security, roles, observe)  # type: ignore[arg-type]
+        options = [("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=options, interceptors=[guard])
         self.servicer = DatastoreServicer(state, cfg, self.metrics)
         datastore_pb2_grpc.add_DatastoreServicer_to_server(self.servicer, self.server)
-        self.health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
-        reflection.enable_server_reflection(names, self.server)
+        self.health = _health_and_reflection(self.server, (SERVICE_NAME,))
+        self.admin = AdminServicer(state, cfg, self.metrics)
+        self.admin_server: grpc.aio.Server | None = None
+        if cfg.admin_port is not None:
+            self.admin_server = grpc.aio.server(options=options, interceptors=[guard])
+            datastore_pb2_grpc.add_DatastoreAdminServicer_to_server(self.admin, self.admin_server)
+            _health_and_reflection(self.admin_server, (ADMIN_SERVICE_NAME,))
         self.port = 0
+        self.admin_port: int | None = None
         self.metrics_port: int | None = None
 
     async def start(self) -> int:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
+        self.port = listen(self.server, self.cfg.host, self.cfg.port, self.cfg.security)
+        if self.admin_server is not None:
+            assert self.cfg.admin_port is not None
+            self.admin_port = listen(self.admin_server, self.cfg.host, self.cfg.admin_port, self.cfg.security)
+            await self.admin_server.start()
         await self.server.start()
-        await asyncio.to_thread(self.servicer.publish_stats)
+        await asyncio.to_thread(self.admin.publish_stats)
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         for service in ("", SERVICE_NAME):
@@ -329,19 +443,23 @@ class ShardServer:
     async def stop(self, grace: float | None = None) -> None:
         self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.cfg.grace_seconds if grace is None else grace)
+        grace = self.cfg.grace_seconds if grace is None else grace
+        if self.admin_server is not None:
+            await self.admin_server.stop(grace)
+        await self.server.stop(grace)
+        self.servicer.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def serve_shard(
-    state: ShardState, cfg: ShardServerConfig, ready: Callable[[int], None] | None = None
+    state: ShardState, cfg: ShardServerConfig, ready: Callable[[ShardServer], None] | None = None
 ) -> None:
     """Run until SIGTERM / SIGINT, then drain."""
 
     async def main() -> None:
         server = ShardServer(state, cfg)
-        port = await server.start()
+        await server.start()
         if ready is not None:
-            ready(port)
+            ready(server)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -25,11 +25,56 @@ class VersionNotLoaded(LookupError):
     """A request named a version this shard does not hold (never loaded, or released)."""
 
 
+class BadVersionName(ValueError):
+    """A version name that is not one directory name under the versions root."""
+
+
+class VersionMissing(LookupError):
+    """No directory of that name under the versions root."""
+
+
+class UnexpectedVersion(RuntimeError):
+    """A compare-and-swap found another current version than the caller expected."""
+
+
+def version_dir(root: Path, name: str) -> Path:
+    """The directory of version ``name`` under ``root``. A name is one path component: no
+    ``/``, ``..`` or absolute path, and a symlink may not lead out of the root. Errors say
+    nothing about the file system: ``BadVersionName`` for the form, ``VersionMissing`` when no
+    such version exists under the root."""
+    bad = (
+        not name
+        or len(name) > 255
+        or name in (".", "..")
+        or any(c in name for c in "/\\\0")
+        or not name.isprintable()
+    )
+    if bad:
+        raise BadVersionName(
+            f"a version is one directory name under the shard's versions root (no '/', '..' or absolute "
+            f"paths), not {name[:80]!r}"
+        )
+    real_root = root.resolve()
+    target = (root / name).resolve()
+    if not target.is_relative_to(real_root) or target == real_root:
+        raise BadVersionName(f"version {name!r} leads outside the shard's versions root")
+    if not target.is_dir():
+        raise VersionMissing(f"there is no version {name!r} under the shard's versions root")
+    return target
+
+
 class ShardState:
     def __init__(
-        self, version: DatastoreVersion, index: int, drain_seconds: float = 60.0, faiss_gpu: int | None = None
+        self,
+        version: DatastoreVersion,
+        index: int,
+        drain_seconds: float = 60.0,
+        faiss_gpu: int | None = None,
+        versions_root: Path | None = None,
     ) -> None:
         self.index = index
+        self.versions_root = versions_root or version.path.parent
+        """Where ``load`` looks versions up by name (default: the directory of the first one)."""
         self.drain_seconds = drain_seconds
         self.faiss_gpu = faiss_gpu  # GPU for the dense indexes of versions loaded later too
         self._lock = threading.Lock()
@@ -44,13 +89,11 @@ class ShardState:
         verify: bool = True,
         drain_seconds: float = 60.0,
         faiss_gpu: int | None = None,
+        versions_root: str | Path | None = None,
     ) -> ShardState:
         version = DatastoreVersion(path, shards=[index], verify=verify, faiss_gpu=faiss_gpu)
-        return ShardState(version, index, drain_seconds, faiss_gpu)
-
-    @property
-    def versions_root(self) -> Path:
-        return self.current.path.parent
+        root = Path(versions_root) if versions_root else None
+        return ShardState(version, index, drain_seconds, faiss_gpu, root)
 
     def loaded_versions(self) -> list[str]:
         with self._lock:
@@ -91,11 +134,10 @@ class ShardState:
         store = self.version(version)
         return DenseAnswer(store.retrieve_dense(query, next_token, cfg), store.version)
 
-    def load(self, path: str) -> str:
-        """Open a version of this shard beside the current one; its name. Errors leave all as is."""
-        target = Path(path)
-        if not target.is_absolute() and len(target.parts) == 1:
-            target = self.versions_root / target
+    def load(self, name: str) -> str:
+        """Open version ``name`` (a directory under the versions root, ``version_dir``) of this
+        shard beside the current one; its name. Errors leave all as is."""
+        target = version_dir(self.versions_root, name)
         fingerprint = self.current.manifest["tokenizer"].get("fingerprint")
         new = DatastoreVersion(
             target, shards=[self.index], tokenizer_fingerprint=fingerprint, faiss_gpu=self.faiss_gpu
@@ -112,13 +154,18 @@ class ShardState:
             self._release_at.pop(new.version, None)
         return new.version
 
-    def swap(self, name: str) -> tuple[str, str]:
-        """Make the loaded version ``name`` current: (previous, current)."""
+    def swap(self, name: str, expected_previous: str = "") -> tuple[str, str]:
+        """Make the loaded version ``name`` current: (previous, current). With
+        ``expected_previous``, only if that is the current version (compare-and-swap)."""
         with self._lock:
             new = self._loaded.get(name)
             if new is None:
                 raise VersionNotLoaded(f"version {name!r} is not loaded on shard {self.index}: load it first")
             previous = self.current
+            if expected_previous and previous.version != expected_previous:
+                raise UnexpectedVersion(
+                    f"shard {self.index} serves {previous.version!r}, not the expected {expected_previous!r}"
+                )
             self.current = new
             self._release_at.pop(name, None)
             if previous.version != name:

@@ -8,7 +8,8 @@ server and the benchmarks: each builds a ``ModelConfig`` and a ``ResourceConfig`
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from datastore_svc.protocols import Datastore
@@ -18,6 +19,7 @@ from llm_worker.engine import Engine
 from llm_worker.model import load_target
 from llm_worker.model.loading import ModelNotFoundError
 from llm_worker.model.target import TargetModel
+from specdraft.security import ClientSecurity
 
 
 class AssemblyError(ValueError):
@@ -42,6 +44,10 @@ class ResourceConfig:
     """Key cached dense queries by the last N context tokens (0 = the whole context)."""
     device: str = "cpu"
     """The model's device: dense search runs on its GPU when faiss-gpu is installed."""
+    datastore_security: ClientSecurity = field(default_factory=ClientSecurity)
+    """TLS, client certificate and token for the shards (``specdraft.security``)."""
+    heads_file: str | None = None
+    """The induction-head calibration of ``pld+a`` (None = the one shipped for the model)."""
 
 
 def quiet_libraries() -> None:
@@ -90,10 +96,15 @@ def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
         from datastore_svc.fanout import RemoteDatastore
 
         datastore = RemoteDatastore(
-            list(cfg.datastore_addresses), deadline_seconds=cfg.datastore_deadline_seconds
+            list(cfg.datastore_addresses),
+            deadline_seconds=cfg.datastore_deadline_seconds,
+            security=cfg.datastore_security,
         )
+    heads = Path(cfg.heads_file) if cfg.heads_file else None
+    if heads is not None and not heads.is_file():
+        raise AssemblyError(f"--heads-file {heads} is not a file")
     if datastore is None:
-        return DraftResources()
+        return DraftResources(heads_file=heads)
     from datastore_svc.cache import QueryCache, StatsCache, link_for
 
     try:
@@ -105,7 +116,7 @@ def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
         if link is not None
         else None
     )
-    return DraftResources(datastore, dense_stats=StatsCache(link), dense_queries=queries)
+    return DraftResources(datastore, dense_stats=StatsCache(link), dense_queries=queries, heads_file=heads)
 
 
 def load_engine(

@@ -185,6 +185,9 @@ class Engine:
         self.target = target
         self.config = config or EngineConfig()
         self.resources = resources or DraftResources()
+        self.dropped_drafts = 0
+        """Drafts dropped because a token id lay outside the vocabulary (untrusted sources:
+        shards, the Redis cache; exported as ``specdraft_drafts_dropped_untrusted``)."""
         self._curve = curve
         self._modes: OrderedDict[str, _ModeRuntime] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
@@ -336,6 +339,7 @@ class Engine:
                         log.warning(
                             "%s drafted a token id outside the vocabulary: draft dropped", drafter.name
                         )
+                        self.dropped_drafts += 1
                         draft = DraftTree.empty()
                     if len(draft):
                         draft = verification_for(draft).plan(planner, draft, out.length, confidence, budget)

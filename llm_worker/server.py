@@ -6,7 +6,12 @@
 - Admission: at most ``max_concurrent`` generations at once (own counter, not
   ``maximum_concurrent_rpcs``); beyond it, RESOURCE_EXHAUSTED at once instead of a queue.
 - Bad input → INVALID_ARGUMENT with a precise message; oversized messages → RESOURCE_EXHAUSTED
-  (gRPC's own receive limit). The server keeps serving.
+  (gRPC's own receive limit); a prompt over ``max_prompt_bytes`` is refused before it is
+  tokenized. Tokenizing, chat templating and building a mode's drafter run off the event loop.
+  A generation runs at most ``max_generation_seconds`` (then DEADLINE_EXCEEDED, whatever the
+  client's deadline). The server keeps serving.
+- ``specdraft.guard`` in front: TLS / mutual TLS and bearer tokens (``ServerConfig.security``),
+  malformed requests → INVALID_ARGUMENT, unexpected errors → INTERNAL with an opaque id.
 - Standard health service (``grpc.health.v1``) and server reflection.
 """
 
@@ -18,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -34,6 +39,8 @@ from llm_worker.registry import Registry, WorkerRecord
 from llm_worker.results import GenerationResult, to_response
 from llm_worker.textstream import TextStream
 from llm_worker.worker import BadRequest, Worker, WorkRequest
+from specdraft.guard import Guard
+from specdraft.security import ServerSecurity, listen
 from specdraft.stubs import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,6 +61,12 @@ class ServerConfig:
     """Serve Prometheus metrics on this HTTP port (0 = any free port); None = no endpoint."""
     advertise: str | None = None
     """host:port published in the registry; default: host and the bound port."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    """TLS, mutual TLS and bearer tokens (``specdraft.security``)."""
+    max_prompt_bytes: int = 256 * 1024
+    """A prompt's text (or chat contents) longer than this is refused before tokenizing."""
+    max_generation_seconds: float = 600.0
+    """Wall time one generation may take, whatever deadline its client set."""
 
 
 # -- protobuf ⇄ domain ---------------------------------------------------------------------
@@ -79,6 +92,18 @@ def to_work_request(msg: generation_pb2.GenerateRequest) -> WorkRequest:
         speculation_off=msg.speculation_off,
         ignore_eos=msg.ignore_eos,
     )
+
+
+def prompt_bytes(msg: generation_pb2.GenerateRequest) -> int:
+    """The prompt's size before tokenizing: text bytes, chat content bytes, or 4 per token id."""
+    kind = msg.WhichOneof("prompt")
+    if kind == "text":
+        return len(msg.text.encode())
+    if kind == "chat":
+        return sum(len(m.content.encode()) + len(m.role.encode()) for m in msg.chat.messages)
+    if kind == "token_ids":
+        return 4 * len(msg.token_ids.ids)
+    return 0
 
 
 # -- the servicer --------------------------------------------------------------------------
@@ -143,9 +168,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics.in_flight.inc()
         loop = asyncio.get_running_loop()
         steps: Iterator[StepOutput | GenerationResult] | None = None
+        ends = time.monotonic() + self.cfg.max_generation_seconds
         try:
+            size = prompt_bytes(request)
+            if size > self.cfg.max_prompt_bytes:
+                message = (
+                    f"the prompt has {size} bytes; this worker takes at most {self.cfg.max_prompt_bytes}"
+                )
+                await self._abort(context, call, grpc.StatusCode.INVALID_ARGUMENT, message)
             try:
-                gen = self.worker.to_engine(to_work_request(request))
+                work = to_work_request(request)
+                gen = await loop.run_in_executor(self.executor, self.worker.to_engine, work)
             except BadRequest as exc:
                 await self._abort(context, call, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             steps = self.worker.stream(gen)
@@ -163,6 +196,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     await self._abort(context, call, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                if time.monotonic() > ends:
+                    limit = self.cfg.max_generation_seconds
+                    message = f"the generation ran past this worker's limit of {limit:g} s"
+                    await self._abort(context, call, grpc.StatusCode.DEADLINE_EXCEEDED, message)
         finally:
             self.active -= 1
             self.metrics.in_flight.dec()
@@ -241,6 +278,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 # -- the server ----------------------------------------------------------------------------
 
 
+class DroppedDrafts:
+    """Prometheus view of ``Engine.dropped_drafts``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily(
+            "specdraft_drafts_dropped_untrusted",
+            "Drafts dropped before the forward: a token id outside the vocabulary",
+            self.engine.dropped_drafts,
+        )
+
+
 class WorkerServer:
     """A running worker: gRPC server, health, reflection. ``start`` / ``stop`` on one event loop."""
 
@@ -259,6 +312,11 @@ class WorkerServer:
             from datastore_svc.cache import CacheCollector
 
             self.metrics.registry.register(CacheCollector(queries))
+        from datastore_svc.fanout import RemoteDatastore, ShardsCollector
+
+        if isinstance(worker.engine.resources.datastore, RemoteDatastore):  # per shard: failures, off-version
+            self.metrics.registry.register(ShardsCollector(worker.engine.resources.datastore))
+        self.metrics.registry.register(DroppedDrafts(worker.engine))
         self.registry = registry
         self.metrics_port: int | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -267,7 +325,8 @@ class WorkerServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=options)
+        guard = Guard(cfg.security, {SERVICE_NAME: "client"})
+        self.server = grpc.aio.server(options=options, interceptors=[guard])
         self.servicer = GenerationServicer(worker, cfg, self.metrics)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         self.health = HealthServicer()
@@ -284,9 +343,7 @@ class WorkerServer:
         self.modes: tuple[str, ...] = ()
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
+        self.port = listen(self.server, self.cfg.host, self.cfg.port, self.cfg.security)
         # grpc's health servicer starts out SERVING for "": not before we say so.
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -144,13 +144,13 @@ def test_pld_a_with_the_calibrated_head_is_lossless_and_copies(tmp_path: Path) -
         calibrate_heads(target, calibration_prompts(), max_new_tokens=24), tmp_path / "heads.json"
     )
     assert load_heads(path).top(1) == ((1, 1),)
-    engine = engine_for(target, FLAT_CURVE)
+    engine = engine_for(target, FLAT_CURVE, path)
     seq = cycle(5, 10)
     prompt = copy_prompt(seq, 2)
     reference = greedy_tokens(engine, prompt, "ar", 40)
     assert reference == periodic(seq, 2, 40)
 
-    mode = f"pld+a:file={path}:heads=1"
+    mode = "pld+a:heads=1"
     result = engine.generate(GenerationRequest(tuple(prompt), 40, mode))
     assert result.token_ids == reference
     assert result.stats.drafted_tokens > 0 and result.stats.accepted_tokens > 0, result.stats

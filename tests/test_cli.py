@@ -193,5 +193,9 @@ def test_pld_a_refuses_a_head_file_of_another_model(
     from llm_worker.drafters.heads import HeadScore, HeadsFile, save_heads
 
     heads = save_heads(HeadsFile("other", "x", (HeadScore(20, 5, 1.0),), 1, 1), tmp_path / "h.json")
-    code, _, err = run(capsys, "generate", "--model", str(tiny_dir), "--mode", f"pld+a:file={heads}", "hi")
+    code, _, err = run(
+        capsys, "generate", "--model", str(tiny_dir), "--heads-file", str(heads), "--mode", "pld+a", "hi"
+    )
     assert code == 2 and "calibrated for another model" in err
+    code, _, err = run(capsys, "generate", "--model", str(tiny_dir), "--mode", f"pld+a:file={heads}", "hi")
+    assert code == 2 and "not ['file']" in err  # a request never names a file

@@ -4,6 +4,7 @@ loss, version swaps under load, refusal of bad versions, and the CLI."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.cli import main
-from datastore_svc.fanout import RemoteDatastore, swap_all
+from datastore_svc.fanout import RemoteDatastore, SwapError, swap_all
 from datastore_svc.retrieval import RetrievalConfig
 from datastore_svc.shard import ShardState
 from datastore_svc.store import DatastoreVersion, write_version
@@ -33,7 +34,7 @@ from helpers.models import (
     prompts,
     tiny_target,
 )
-from helpers.servers import ShardThread, SlowShard, retrieve_request, wait_until
+from helpers.servers import ADMIN, ADMIN_TOKEN, ShardThread, SlowShard, retrieve_request, wait_until
 from llm_worker.engine import GenerationRequest
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
@@ -159,7 +160,7 @@ def test_swap_under_concurrent_load_never_mixes_versions(shards: list[ShardThrea
         loops = [pool.submit(request_loop, i) for i in range(4)]
         try:
             wait_until(lambda: requests_pinned_to("v1") >= 8, what="requests run on v1 before the swap")
-            swapped = swap_all(addresses, "v2")
+            swapped = swap_all([s.admin_address for s in shards], "v2", ADMIN)
             wait_until(lambda: requests_pinned_to("v2") >= 8, what="requests run on v2 after the swap")
         finally:
             stop.set()
@@ -173,34 +174,38 @@ def test_swap_under_concurrent_load_never_mixes_versions(shards: list[ShardThrea
 
 
 def test_bad_versions_are_refused_while_the_current_one_serves(
-    shards: list[ShardThread], versions: Path, tmp_path: Path
+    shards: list[ShardThread], versions: Path
 ) -> None:
     addresses = [s.address for s in shards]
-    bad = tmp_path / "v-corrupt"
+    admins = [s.admin_address for s in shards]
+    bad = versions / "v-corrupt"
     write_version(random_docs(3), bad, VOCAB, IDENTITY, shards=2)
     sa = bad / "shard-0001" / "sa.npy"
     data = bytearray(sa.read_bytes())
     data[-1] ^= 0x55
     sa.write_bytes(bytes(data))
-    other = tmp_path / "v-other-tokenizer"
+    other = versions / "v-other-tokenizer"
     write_version(random_docs(4), other, VOCAB, {**IDENTITY, "fingerprint": "other"}, shards=2)
-    partial = tmp_path / "v-partial"
+    partial = versions / "v-partial"
     partial.mkdir()
     for path, reason in [(bad, "checksum"), (other, "another tokenizer"), (partial, "manifest")]:
-        with pytest.raises(RuntimeError, match=reason):
-            swap_all(addresses, str(path))
+        with pytest.raises(SwapError, match=reason) as err:
+            swap_all(admins, path.name, ADMIN)
+        assert str(versions) not in str(err.value)  # nothing about where the versions live
     remote = RemoteDatastore(addresses, deadline_seconds=5.0)
     _, version = remote.retrieve(np.array([1, 2, 3]), CFG)
     assert version == "v1" and [i.version for i in remote.info()] == ["v1", "v1"]
-    with grpc.insecure_channel(addresses[0]) as channel:
-        with pytest.raises(grpc.RpcError) as err:
-            datastore_pb2_grpc.DatastoreStub(channel).SwapVersion(
+    with ADMIN.channel(admins[0]) as channel:
+        with pytest.raises(grpc.RpcError) as rpc_err:
+            datastore_pb2_grpc.DatastoreAdminStub(channel).SwapVersion(
                 datastore_pb2.SwapVersionRequest(version="never-loaded"), timeout=5
             )
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert rpc_err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_cli_build_info_serve_and_swap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_build_info_serve_and_swap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(
         "\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) for i in range(40))
@@ -221,19 +226,24 @@ def test_cli_build_info_serve_and_swap(tmp_path: Path, capsys: pytest.CaptureFix
     assert "immutable" in capsys.readouterr().err
 
     cmd = [sys.executable, "-m", "client.cli", "serve", "datastore", "--datastore", str(tmp_path / "a")]
-    proc = subprocess.Popen([*cmd, "--port", "0"], stderr=subprocess.PIPE, text=True)
+    monkeypatch.setenv("SPECDRAFT_ADMIN_TOKEN", ADMIN_TOKEN)  # the shard's admin identity and ours
+    proc = subprocess.Popen([*cmd, "--port", "0", "--admin-port", "0"], stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
-        address = ""
+        admin = ""
         for line in proc.stderr:
-            if "listening on" in line:
-                address = line.rsplit(" ", 1)[-1].strip()
+            found = re.search(r"listening on (\S+) \(admin (\d+), plaintext\)", line)
+            if found:
+                admin = f"127.0.0.1:{found.group(2)}"
                 break
-        assert address, "the shard did not start"
-        assert main(["datastore", "swap", "--version", "b", "--datastore-addr", address]) == 0
-        assert f"{address}: a -> b" in capsys.readouterr().err
-        assert main(["datastore", "swap", "--version", "nope", "--datastore-addr", address]) == 2
-        assert "refused version" in capsys.readouterr().err
+        assert admin, "the shard did not start"
+        assert main(["datastore", "swap", "--version", "b", "--admin-addr", admin]) == 0
+        assert f"{admin}: a -> b" in capsys.readouterr().err
+        assert main(["datastore", "swap", "--version", "nope", "--admin-addr", admin]) == 2
+        assert "refused version 'nope'" in capsys.readouterr().err
+        monkeypatch.setenv("SPECDRAFT_ADMIN_TOKEN", "not-the-admin-token-at-all")
+        assert main(["datastore", "swap", "--version", "a", "--admin-addr", admin]) == 2
+        assert "bearer token is not valid" in capsys.readouterr().err
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

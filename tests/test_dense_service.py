@@ -18,7 +18,7 @@ from datastore_svc.shard import ShardState
 from datastore_svc.store import DatastoreVersion, LocalRetriever, write_version
 from helpers.datastores import datastore_engine, dense_version, own_continuations, tiny_identity
 from helpers.models import FLAT_CURVE, DraftTally, prompts, tiny_model
-from helpers.servers import RedisServer, ShardThread, SlowShard, retrieve_request
+from helpers.servers import ADMIN, RedisServer, ShardThread, SlowShard, retrieve_request
 from helpers.stats import VOCAB
 from llm_worker.config import ModelConfig
 from llm_worker.engine import Engine, GenerationRequest
@@ -156,7 +156,7 @@ def test_stats_are_published_to_redis_and_read_back(setup, redis_server: RedisSe
     state = ShardState.open(root / "v", 0)
 
     async def publish() -> None:
-        server = ShardServer(state, ShardServerConfig(port=0, redis_url=redis_server.url))
+        server = ShardServer(state, ShardServerConfig(port=0, admin_port=None, redis_url=redis_server.url))
         await server.start()
         await server.stop(0)
 
@@ -364,7 +364,7 @@ def test_a_swap_to_a_dense_version_of_other_dimensions(setup, tmp_path: Path) ->
         engine = datastore_engine(target, remote)
         prompt = prompts(VOCAB)[0]
         before = engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
-        swap_all([s.address for s in servers], "v-d8")
+        swap_all([s.admin_address for s in servers], "v-d8", ADMIN)
         after = engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
         assert before.token_ids == after.token_ids == refs[0]
         assert (before.datastore_version, after.datastore_version) == ("v", "v-d8")

@@ -98,10 +98,10 @@ def test_greedy_every_mode_equals_ar(
     kind: str, backend: str, curve: CostCurve, heads_file: Path, extra_modes: None
 ) -> None:
     target = tiny_target(kind, backend=backend)
-    engine = engine_for(target, curve)
+    engine = engine_for(target, curve, heads_file)
     modes = ["pld", "pld:max_n=1", "pld+h:layer=1", "pld+h:layer=2:theta=0.2", "test-tree"]
     if target.supports_queries:
-        modes.append(f"pld+a:file={heads_file}")
+        modes.append("pld+a")
     tally = DraftTally()
     for i, prompt in enumerate(prompts(target.info.vocab_size)):
         ref = greedy_tokens(engine, prompt, "ar", 64)
@@ -114,9 +114,9 @@ def test_greedy_every_mode_equals_ar(
 
 def test_spec_modes_actually_draft_and_accept(heads_file: Path, extra_modes: None) -> None:
     target = tiny_target("llama")
-    engine = engine_for(target, FLAT_CURVE)
+    engine = engine_for(target, FLAT_CURVE, heads_file)
     prompt = prompts(target.info.vocab_size)[0]
-    for mode in ["pld", "pld+h:layer=1", f"pld+a:file={heads_file}", "test-tree"]:
+    for mode in ["pld", "pld+h:layer=1", "pld+a", "test-tree"]:
         res = engine.generate(GenerationRequest(tuple(prompt), 64, mode))
         assert res.stats.drafted_tokens > 0, mode
         assert res.stats.accepted_tokens > 0, mode
@@ -139,8 +139,8 @@ def test_sampling_every_mode_matches_exact_distribution(
     heads = save_heads(HeadsFile("t", "x", (HeadScore(1, 0, 1.0),), 1, 1), tmp_path / "h.json")
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     dist = exact_distribution(model, prompt, params)
-    engine = engine_for(target, FLAT_CURVE)
-    for mode in ["ar", "pld", "pld+h:layer=1", f"pld+a:file={heads}", "test-tree", "test-q"]:
+    engine = engine_for(target, FLAT_CURVE, heads)
+    for mode in ["ar", "pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q"]:
         counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
         p = chi_square_p(counts, dist, SAMPLES)
         assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"

@@ -115,6 +115,11 @@ def add_datastore_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="key cached dense queries by the last N context tokens (0 = the whole context)",
     )
+    p.add_argument(
+        "--heads-file",
+        help="induction-head calibration for pld+a (default: the one shipped or calibrated for the model)",
+    )
+    add_client_security_args(p, prefix="datastore-")
 
 
 def model_from_args(
@@ -142,6 +147,8 @@ def engine_from_args(args: argparse.Namespace) -> tuple[Engine, TargetModel, Any
         dense_cache_ttl_seconds=getattr(args, "dense_cache_ttl", 600),
         dense_cache_context_tokens=getattr(args, "dense_cache_context", 0),
         device=getattr(args, "device", "cpu") or "cpu",
+        datastore_security=client_security(args, prefix="datastore-"),
+        heads_file=getattr(args, "heads_file", None),
     )
     try:
         return load_engine(model_config(args), resources)
@@ -156,4 +163,103 @@ def tokenizer_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     try:
         return load_tokenizer(args.model)
     except AssemblyError as exc:
+        raise CliError(str(exc)) from exc
+
+
+# -- transport security -----------------------------------------------------------------------------
+
+
+def add_server_security_args(p: argparse.ArgumentParser, admin: bool = False) -> None:
+    """TLS, mutual TLS and tokens of a server (``specdraft.security.ServerSecurity``)."""
+    from specdraft.security import ADMIN_TOKEN_ENV, TOKEN_ENV
+
+    g = p.add_argument_group("transport security (README, Security)")
+    g.add_argument("--tls-cert", help="PEM certificate chain of this server: serve TLS")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--tls-ca", help="PEM CA bundle: clients must present a certificate it signed (mutual TLS)"
+    )
+    g.add_argument(
+        "--token-file", help=f"bearer tokens accepted, one per line (default: ${TOKEN_ENV}); none = no check"
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext without a token on a non-loopback address (logged as a warning)",
+    )
+    if admin:
+        g.add_argument(
+            "--admin-token-file",
+            help=f"tokens of the admin identity, one per line (default: ${ADMIN_TOKEN_ENV})",
+        )
+        g.add_argument(
+            "--admin-cert-name",
+            action="append",
+            default=[],
+            help="a client-certificate name (CN or SAN) that is an admin (mutual TLS; repeatable)",
+        )
+
+
+def server_security(args: argparse.Namespace) -> Any:
+    from specdraft.security import ADMIN_TOKEN_ENV, TOKEN_ENV, SecurityError, ServerSecurity, read_tokens
+
+    try:
+        return ServerSecurity(
+            cert=args.tls_cert,
+            key=args.tls_key,
+            ca=args.tls_ca,
+            tokens=read_tokens(args.token_file, TOKEN_ENV),
+            admin_tokens=read_tokens(getattr(args, "admin_token_file", None), ADMIN_TOKEN_ENV)
+            if hasattr(args, "admin_token_file")
+            else (),
+            admin_names=tuple(getattr(args, "admin_cert_name", ())),
+            insecure=args.insecure,
+        )
+    except SecurityError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def add_client_security_args(p: argparse.ArgumentParser, admin: bool = False, prefix: str = "") -> None:
+    """TLS, client certificate and token of a client (``specdraft.security.ClientSecurity``);
+    ``prefix`` (e.g. ``datastore-``) names the options of a second kind of server."""
+    from specdraft.security import ADMIN_TOKEN_ENV, TOKEN_ENV
+
+    g = p.add_argument_group(f"{prefix}client transport security (README, Security)")
+    g.add_argument(f"--{prefix}tls", action="store_true", help="use TLS (implied by the next three)")
+    g.add_argument(f"--{prefix}tls-ca", help="PEM CA bundle that signed the servers' certificates")
+    g.add_argument(f"--{prefix}tls-cert", help="PEM client certificate (mutual TLS)")
+    g.add_argument(f"--{prefix}tls-key", help="PEM private key of the client certificate")
+    g.add_argument(f"--{prefix}tls-server-name", help="check the servers' certificates against this name")
+    if admin:
+        g.add_argument(
+            f"--{prefix}admin-token-file", help=f"the admin token to send (default: ${ADMIN_TOKEN_ENV})"
+        )
+    else:
+        env = TOKEN_ENV if not prefix else f"SPECDRAFT_{prefix.strip('-').upper()}_TOKEN"
+        g.add_argument(f"--{prefix}token-file", help=f"the bearer token to send (default: ${env})")
+
+
+def client_security(args: argparse.Namespace, admin: bool = False, prefix: str = "") -> Any:
+    from specdraft.security import ADMIN_TOKEN_ENV, TOKEN_ENV, ClientSecurity, SecurityError, read_tokens
+
+    key = prefix.replace("-", "_")
+
+    def arg(name: str) -> Any:
+        return getattr(args, f"{key}{name}", None)
+
+    try:
+        if admin:
+            tokens = read_tokens(arg("admin_token_file"), ADMIN_TOKEN_ENV)
+        else:
+            env = TOKEN_ENV if not prefix else f"SPECDRAFT_{prefix.strip('-').upper()}_TOKEN"
+            tokens = read_tokens(arg("token_file"), env)
+        return ClientSecurity(
+            ca=arg("tls_ca"),
+            cert=arg("tls_cert"),
+            key=arg("tls_key"),
+            token=tokens[0] if tokens else None,
+            tls=bool(arg("tls")),
+            server_name=arg("tls_server_name"),
+        )
+    except SecurityError as exc:
         raise CliError(str(exc)) from exc

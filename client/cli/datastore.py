@@ -10,8 +10,10 @@ from typing import Any
 
 from client.cli.common import (
     CliError,
+    add_client_security_args,
     add_model_args,
     addresses,
+    client_security,
     engine_from_args,
     model_config,
     model_from_args,
@@ -109,10 +111,18 @@ def add_datastore(sub: Any) -> None:
     di.add_argument("path")
     di.add_argument("--no-verify", action="store_true", help="skip the checksums")
     di.set_defaults(func=cmd_info)
-    dw = dsc_sub.add_parser("swap", help="make every shard load a version and switch to it")
-    dw.add_argument("--version", required=True, help="version name (beside the current one) or directory")
-    dw.add_argument("--datastore-addr", required=True, help="HOST:PORT[,HOST:PORT...] of every shard")
+    dw = dsc_sub.add_parser(
+        "swap",
+        help="make every shard load a version and switch to it (two phases; all shards or none)",
+    )
+    dw.add_argument(
+        "--version", required=True, help="version name: a directory under the shards' versions root"
+    )
+    dw.add_argument(
+        "--admin-addr", required=True, help="HOST:PORT[,HOST:PORT...] of every shard's admin port"
+    )
     dw.add_argument("--timeout", type=float, default=600.0, help="seconds each shard may take to load")
+    add_client_security_args(dw, admin=True)
     dw.set_defaults(func=cmd_swap)
 
 
@@ -286,12 +296,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_swap(args: argparse.Namespace) -> int:
-    from datastore_svc.fanout import swap_all
+    from datastore_svc.fanout import SwapError, swap_all
 
-    shards = addresses(args.datastore_addr)
+    shards = addresses(args.admin_addr)
+    security = client_security(args, admin=True)
     try:
-        swapped = swap_all(list(shards), args.version, timeout=args.timeout)
-    except RuntimeError as exc:
+        swapped = swap_all(list(shards), args.version, security, timeout=args.timeout)
+    except SwapError as exc:
         raise CliError(str(exc)) from exc
     for address, (previous, current) in zip(shards, swapped, strict=True):
         sys.stderr.write(f"{address}: {previous} -> {current}\n")

@@ -8,7 +8,15 @@ import json
 import sys
 from typing import Any
 
-from client.cli.common import CliError, add_datastore_args, add_model_args, addresses, engine_from_args
+from client.cli.common import (
+    CliError,
+    add_client_security_args,
+    add_datastore_args,
+    add_model_args,
+    addresses,
+    client_security,
+    engine_from_args,
+)
 
 
 def add_generate(sub: Any) -> None:
@@ -32,6 +40,7 @@ def add_generate(sub: Any) -> None:
     g.add_argument("--server", help="HOST:PORT[,HOST:PORT...] of workers; default: decode in this process")
     g.add_argument("--registry", help="find workers serving --mode in this registry (redis://HOST:PORT)")
     g.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds with --server")
+    add_client_security_args(g)
     g.set_defaults(func=cmd_generate)
 
 
@@ -131,7 +140,8 @@ def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
         else build_request(text=prompt, options=options)
     )
     stream_to = sys.stderr if args.json else sys.stdout
-    with GenerationClient(list(addresses(args.server)), timeout=args.timeout) as client:
+    security = client_security(args)
+    with GenerationClient(list(addresses(args.server)), timeout=args.timeout, security=security) as client:
         try:
             if args.stream:
                 final = None

@@ -6,7 +6,14 @@ import argparse
 import sys
 from typing import Any
 
-from client.cli.common import CliError, add_datastore_args, add_model_args, engine_from_args
+from client.cli.common import (
+    CliError,
+    add_datastore_args,
+    add_model_args,
+    add_server_security_args,
+    engine_from_args,
+    server_security,
+)
 
 
 def add_serve(sub: Any) -> None:
@@ -36,6 +43,13 @@ def add_serve(sub: Any) -> None:
     w.add_argument(
         "--no-warm", dest="warm", action="store_false", help="skip measuring the cost curve at start"
     )
+    w.add_argument(
+        "--max-prompt-bytes", type=int, default=256 * 1024, help="refuse longer prompts before tokenizing"
+    )
+    w.add_argument(
+        "--max-generation-seconds", type=float, default=600.0, help="wall time one generation may take"
+    )
+    add_server_security_args(w)
     w.set_defaults(func=cmd_serve_worker)
 
     ds = serve_sub.add_parser("datastore", help="one datastore shard (gRPC Datastore service)")
@@ -43,6 +57,23 @@ def add_serve(sub: Any) -> None:
     ds.add_argument("--shard", type=int, default=0, help="which shard of the version")
     ds.add_argument("--host", default="127.0.0.1")
     ds.add_argument("--port", type=int, default=50061, help="0 = any free port")
+    ds.add_argument(
+        "--admin-port",
+        type=int,
+        default=50062,
+        help="port of the DatastoreAdmin service (LoadVersion, SwapVersion); 0 = any free port",
+    )
+    ds.add_argument(
+        "--versions-root",
+        help="directory whose subdirectories LoadVersion may load (default: the one holding --datastore)",
+    )
+    ds.add_argument("--retrieve-threads", type=int, default=2, help="threads that compute retrievals")
+    ds.add_argument(
+        "--max-pending",
+        type=int,
+        default=16,
+        help="retrievals waiting or running; more get RESOURCE_EXHAUSTED",
+    )
     ds.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     ds.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
     ds.add_argument(
@@ -55,10 +86,13 @@ def add_serve(sub: Any) -> None:
     ds.add_argument(
         "--faiss-gpu", type=int, default=None, help="search dense indexes on this GPU (needs faiss-gpu)"
     )
+    add_server_security_args(ds, admin=True)
     ds.set_defaults(func=cmd_serve_datastore)
 
 
 def cmd_serve_worker(args: argparse.Namespace) -> int:
+    security = server_security(args)
+    _check_exposure(args.host, security)  # before the model loads
     engine, _, tokenizer = engine_from_args(args)
     from llm_worker.registry import open_registry
     from llm_worker.server import ServerConfig, serve_worker
@@ -76,6 +110,9 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
         grace_seconds=args.grace_seconds,
         metrics_port=args.metrics_port,
         advertise=args.advertise,
+        security=security,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_generation_seconds=args.max_generation_seconds,
     )
     try:
         registry = open_registry(args.registry, ttl=args.registry_ttl) if args.registry else None
@@ -91,28 +128,50 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_datastore(args: argparse.Namespace) -> int:
-    from datastore_svc.server import ShardServerConfig, serve_shard
+    from datastore_svc.server import ShardServer, ShardServerConfig, serve_shard
     from datastore_svc.shard import ShardState
     from datastore_svc.store import DatastoreError
 
+    security = server_security(args)
+    _check_exposure(args.host, security)
     try:
         state = ShardState.open(
-            args.datastore, args.shard, drain_seconds=args.drain_seconds, faiss_gpu=args.faiss_gpu
+            args.datastore,
+            args.shard,
+            drain_seconds=args.drain_seconds,
+            faiss_gpu=args.faiss_gpu,
+            versions_root=args.versions_root,
         )
     except DatastoreError as exc:
         raise CliError(str(exc)) from exc
     cfg = ShardServerConfig(
         host=args.host,
         port=args.port,
+        admin_port=args.admin_port,
+        security=security,
+        retrieve_threads=args.retrieve_threads,
+        max_pending=args.max_pending,
         metrics_port=args.metrics_port,
         grace_seconds=args.grace_seconds,
         redis_url=args.redis,
     )
 
-    def ready(port: int) -> None:
+    def ready(server: ShardServer) -> None:
         name = state.current.version
-        sys.stderr.write(f"specdraft datastore shard {args.shard} ({name}) listening on {args.host}:{port}\n")
+        sys.stderr.write(
+            f"specdraft datastore shard {args.shard} ({name}) listening on {args.host}:{server.port} "
+            f"(admin {server.admin_port}, {security.describe()})\n"
+        )
         sys.stderr.flush()
 
     serve_shard(state, cfg, ready)
     return 0
+
+
+def _check_exposure(host: str, security: Any) -> None:
+    from specdraft.security import SecurityError, check_exposure
+
+    try:
+        check_exposure(host, security)
+    except SecurityError as exc:
+        raise CliError(str(exc)) from exc

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -100,6 +101,9 @@ class DraftResources:
     datastore: Datastore | None = None
     dense_stats: StatsCache = field(default_factory=lambda: StatsCache(None))
     dense_queries: QueryCache | None = None
+    heads_file: Path | None = None
+    """The induction-head calibration ``pld+a`` reads (worker configuration, never a request's:
+    None = the one shipped or calibrated for the model)."""
 
 
 @dataclass

@@ -123,8 +123,15 @@ def find_heads_file(*ids: str) -> Path | None:
     return None
 
 
+MAX_HEADS_FILE_BYTES = 4 * 1024 * 1024
+
+
 def load_heads(path: Path) -> HeadsFile:
+    """The heads in ``path``; ValueError for anything else (including a file over 4 MiB or not a
+    regular file: ``/dev/zero`` is refused before any read)."""
     try:
+        if not path.is_file() or path.stat().st_size > MAX_HEADS_FILE_BYTES:
+            raise ValueError(f"not a regular file of at most {MAX_HEADS_FILE_BYTES} bytes")
         return HeadsFile.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
         raise ValueError(f"{path}: not a valid induction-head file ({exc})") from exc

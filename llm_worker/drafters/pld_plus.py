@@ -15,7 +15,7 @@ accepted span.
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
 
 import numpy as np
 import torch
@@ -38,6 +38,8 @@ DEFAULT_HIDDEN_LAYER_FRACTION = 0.5  # replaced per model by the sweep result be
 # fingerprint or weights id -> best layer (README, "pld+h layer"); swept in float32
 SWEPT_LAYERS: dict[str, int] = {"28011fabd34fa01b": 17, "de7dc0073f16aefd": 17}
 DEFAULT_HEADS = 50
+
+log = logging.getLogger(__name__)
 
 
 def occurrences(tokens: np.ndarray, first: int = 0) -> np.ndarray:
@@ -161,7 +163,7 @@ def _make_pld_h(target: TargetModel, options: dict[str, str], resources: DraftRe
 @DRAFTERS.register(
     "pld+a",
     "PLD+: occurrences of the last token ranked by induction-head attention",
-    ("heads", "theta", "file", "branches"),
+    ("heads", "theta", "branches"),
 )
 def _make_pld_a(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     if not target.supports_queries:
@@ -169,16 +171,19 @@ def _make_pld_a(target: TargetModel, options: dict[str, str], resources: DraftRe
             f"pld+a reads per-head attention, which the {target.info.backend} backend does not expose; "
             "use a Llama-family model with --backend fast"
         )
-    path_option = options.get("file")
-    path = (
-        Path(path_option) if path_option else find_heads_file(target.info.fingerprint, target.info.weights_id)
-    )
+    path = resources.heads_file or find_heads_file(target.info.fingerprint, target.info.weights_id)
     if path is None:
         raise ModeUnavailableError(
             f"no induction-head calibration for this model (fingerprint {target.info.fingerprint}); "
             "run: specdraft calibrate-heads --model DIR"
         )
-    heads = load_heads(path)
+    try:
+        heads = load_heads(path)
+    except ValueError as exc:
+        log.error("pld+a: %s", exc)
+        raise ModeUnavailableError(
+            "the worker's induction-head file is not valid (the worker log says why)"
+        ) from None
     info = target.info
     outside = [
         (h.layer, h.head)
@@ -187,7 +192,7 @@ def _make_pld_a(target: TargetModel, options: dict[str, str], resources: DraftRe
     ]
     if outside:
         raise ModeUnavailableError(
-            f"{path}: head {outside[0]} does not exist in this model "
+            f"the worker's induction-head file names head {outside[0]}, which does not exist in this model "
             f"({info.num_layers} layers × {info.num_heads} heads); the file was calibrated for another model"
         )
     count = int_option(options, "heads", DEFAULT_HEADS, 1, info.num_layers * info.num_heads)

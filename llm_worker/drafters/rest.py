@@ -29,6 +29,7 @@ from llm_worker.drafters.base import (
     Drafter,
     DraftResources,
     ModeUnavailableError,
+    UnknownModeError,
     bucket,
     int_option,
 )
@@ -109,14 +110,21 @@ class RestDrafter(Drafter):
 
 
 def retrieval_config(options: dict[str, str]) -> RetrievalConfig:
-    return RetrievalConfig(
-        c_min=int_option(options, "c_min", 1, 1, 64),
-        c_max=int_option(options, "c_max", 16, 1, 64),
-        max_occurrences=int_option(options, "n", 256, 1, 100_000),
-        max_length=int_option(options, "l", 10, 1, 128),
-        max_nodes=int_option(options, "nodes", 64, 1, 1024),
-        max_candidates=int_option(options, "d", 32, 1, 1024),
-    )
+    """The retrieval shape of a mode's options; each in its range, and N × L bounded
+    (``MAX_READ_TOKENS``)."""
+    try:
+        return RetrievalConfig(
+            c_min=int_option(options, "c_min", 1, 1, 64),
+            c_max=int_option(options, "c_max", 16, 1, 64),
+            max_occurrences=int_option(options, "n", 256, 1, 100_000),
+            max_length=int_option(options, "l", 10, 1, 128),
+            max_nodes=int_option(options, "nodes", 64, 1, 1024),
+            max_candidates=int_option(options, "d", 32, 1, 1024),
+        )
+    except UnknownModeError:
+        raise
+    except ValueError as exc:
+        raise UnknownModeError(f"rest options: {exc}") from None
 
 
 REST_OPTIONS = ("c_min", "c_max", "n", "l", "nodes", "d", "ctx")

@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig
+from llm_worker.drafters import DraftResources
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.model.target import TargetModel
@@ -85,8 +87,19 @@ def tiny_target(kind: str = "llama", backend: str = "auto", **kw: Any) -> Target
     return wrap_model(tiny_model(kind, **kw), None, ModelConfig(backend=backend))  # type: ignore[arg-type]
 
 
-def engine_for(target: TargetModel, curve: CostCurve = CPU_LIKE_CURVE, **planner: Any) -> Engine:
-    return Engine(target, EngineConfig(planner=PlannerConfig(**planner)), curve=curve)
+def engine_for(
+    target: TargetModel,
+    curve: CostCurve = CPU_LIKE_CURVE,
+    heads_file: Path | None = None,
+    **planner: Any,
+) -> Engine:
+    """An engine of ``target`` with ``curve``; ``heads_file``: the induction heads pld+a reads."""
+    return Engine(
+        target,
+        EngineConfig(planner=PlannerConfig(**planner)),
+        curve=curve,
+        resources=DraftResources(heads_file=heads_file),
+    )
 
 
 def prompts(vocab: int) -> list[list[int]]:

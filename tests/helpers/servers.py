@@ -28,6 +28,7 @@ from llm_worker.engine import Engine
 from llm_worker.model import load_target
 from llm_worker.server import ServerConfig, WorkerServer
 from llm_worker.worker import Worker
+from specdraft.security import ClientSecurity, ServerSecurity
 from specdraft.stubs import datastore_pb2
 
 T = TypeVar("T")
@@ -110,22 +111,33 @@ class ServerThread:
 # -- a datastore shard ------------------------------------------------------------------------------
 
 
-class ShardThread:
-    """A ShardServer on its own event loop in a background thread."""
+ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
+"""The admin token of every ``ShardThread`` (unless its config says otherwise)."""
+ADMIN = ClientSecurity(token=ADMIN_TOKEN)
+"""A client with the admin identity of ``ShardThread``s."""
 
-    def __init__(self, state: ShardState) -> None:
+
+class ShardThread:
+    """A ShardServer on its own event loop in a background thread: data and admin services on
+    free loopback ports; the admin identity is ``ADMIN_TOKEN`` unless ``cfg`` says otherwise."""
+
+    def __init__(self, state: ShardState, cfg: ShardServerConfig | None = None) -> None:
         self.state = state
+        self.cfg = cfg or ShardServerConfig(
+            port=0, admin_port=0, security=ServerSecurity(admin_tokens=(ADMIN_TOKEN,))
+        )
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
         async def make() -> ShardServer:
-            server = ShardServer(state, ShardServerConfig(port=0))
+            server = ShardServer(state, self.cfg)
             await server.start()
             return server
 
         self.server = asyncio.run_coroutine_threadsafe(make(), self.loop).result(30)
-        self.address = f"127.0.0.1:{self.server.port}"
+        self.address = f"{self.cfg.host}:{self.server.port}"
+        self.admin_address = f"{self.cfg.host}:{self.server.admin_port}"
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
