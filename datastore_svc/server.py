@@ -215,13 +215,17 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
 
         self.pending += 1
         self.metrics.pending.set(self.pending)
+        job = self.executor.submit(run)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:  # the caller left (deadline, cancel): drop the job if queued
+            if job.cancel():
+                self.metrics.expired.inc()
+            raise
         except Expired:
             self.metrics.expired.inc()
-            await self._abort(
-                context, "Retrieve", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the retrieval"
-            )
+            message = "deadline passed before the retrieval"
+            await self._abort(context, "Retrieve", grpc.StatusCode.DEADLINE_EXCEEDED, message)
             raise  # not reached: abort raises
         finally:
             self.pending -= 1

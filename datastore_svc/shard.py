@@ -73,7 +73,7 @@ class ShardState:
         versions_root: Path | None = None,
     ) -> None:
         self.index = index
-        self.versions_root = versions_root or version.path.parent
+        self.versions_root = versions_root or version.path.resolve().parent
         """Where ``load`` looks versions up by name (default: the directory of the first one)."""
         self.drain_seconds = drain_seconds
         self.faiss_gpu = faiss_gpu  # GPU for the dense indexes of versions loaded later too

@@ -76,13 +76,14 @@ class Guard(grpc.aio.ServerInterceptor):
         else:
             if token and sec.admin_tokens and token_matches(token, sec.admin_tokens):
                 return None
-            if sec.admin_names and _certificate_names(context) & set(sec.admin_names):
+            names = _certificate_names(context) if sec.ca else set()
+            if sec.admin_names and names & set(sec.admin_names):
                 return None
             if not sec.admin_tokens and not sec.admin_names:
                 return grpc.StatusCode.PERMISSION_DENIED, (
                     "no admin identity is configured on this server (--admin-token-file or --admin-cert-name)"
                 )
-            if token and token_matches(token, sec.tokens):
+            if (token and token_matches(token, sec.tokens)) or (names and not token):
                 return grpc.StatusCode.PERMISSION_DENIED, "this call needs the admin identity"
         if token is None:
             return (
