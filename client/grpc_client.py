@@ -42,6 +42,8 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 1),
     ("grpc.service_config", json.dumps(RETRY_POLICY)),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),  # find a dead worker on an idle connection
+    ("grpc.keepalive_timeout_ms", 10_000),
 ]
 
 

@@ -44,7 +44,7 @@ from datastore_svc.shard import (
 )
 from datastore_svc.store import DatastoreError
 from specdraft.guard import Guard
-from specdraft.security import ServerSecurity, listen
+from specdraft.security import ServerSecurity, connection_options, health_only_server, listen
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,11 @@ class ShardServerConfig:
     """The DatastoreAdmin service's own port (0 = a free one; None = no admin service)."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
     """TLS, mutual TLS, tokens and the admin identity (``specdraft.security``)."""
+    health_port: int | None = None
+    """A plaintext port serving only the health service, for probes that cannot speak TLS."""
+    max_connection_age_seconds: float = 300.0
+    """Close client connections (gracefully) after this long, so clients behind a Service spread
+    over new pods (0 = never); keepalive pings find dead peers."""
     retrieve_threads: int = 2
     """Threads that compute retrievals."""
     max_pending: int = 16
@@ -413,7 +418,7 @@ class ShardServer:
             self.metrics.requests.labels(method, code).inc()
 
         guard = Guard(cfg.security, roles, observe)  # type: ignore[arg-type]
-        options = [("grpc.so_reuseport", 0)]
+        options = [("grpc.so_reuseport", 0), *connection_options(cfg.max_connection_age_seconds)]
         self.server = grpc.aio.server(options=options, interceptors=[guard])
         self.servicer = DatastoreServicer(state, cfg, self.metrics)
         datastore_pb2_grpc.add_DatastoreServicer_to_server(self.servicer, self.server)
@@ -427,6 +432,8 @@ class ShardServer:
         self.port = 0
         self.admin_port: int | None = None
         self.metrics_port: int | None = None
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
 
     async def start(self) -> int:
         for service in ("", SERVICE_NAME):
@@ -436,6 +443,11 @@ class ShardServer:
             assert self.cfg.admin_port is not None
             self.admin_port = listen(self.admin_server, self.cfg.host, self.cfg.admin_port, self.cfg.security)
             await self.admin_server.start()
+        if self.cfg.health_port is not None:
+            self.health_server, self.health_port = health_only_server(
+                self.cfg.host, self.cfg.health_port, self.health
+            )
+            await self.health_server.start()
         await self.server.start()
         await asyncio.to_thread(self.admin.publish_stats)
         if self.cfg.metrics_port is not None:
@@ -451,6 +463,8 @@ class ShardServer:
         if self.admin_server is not None:
             await self.admin_server.stop(grace)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         self.servicer.executor.shutdown(wait=False, cancel_futures=True)
 
 

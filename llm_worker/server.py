@@ -40,7 +40,7 @@ from llm_worker.results import GenerationResult, to_response
 from llm_worker.textstream import TextStream
 from llm_worker.worker import BadRequest, Worker, WorkRequest
 from specdraft.guard import Guard
-from specdraft.security import ServerSecurity, listen
+from specdraft.security import ServerSecurity, connection_options, health_only_server, listen
 from specdraft.stubs import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,11 @@ class ServerConfig:
     """host:port published in the registry; default: host and the bound port."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
     """TLS, mutual TLS and bearer tokens (``specdraft.security``)."""
+    health_port: int | None = None
+    """A plaintext port serving only the health service, for probes that cannot speak TLS."""
+    max_connection_age_seconds: float = 300.0
+    """Close client connections (gracefully) after this long, so clients behind a Service spread
+    over new pods (0 = never); keepalive pings find dead peers."""
     max_prompt_bytes: int = 256 * 1024
     """A prompt's text (or chat contents) longer than this is refused before tokenizing."""
     max_generation_seconds: float = 600.0
@@ -324,6 +329,7 @@ class WorkerServer:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            *connection_options(cfg.max_connection_age_seconds),
         ]
         guard = Guard(cfg.security, {SERVICE_NAME: "client"})
         self.server = grpc.aio.server(options=options, interceptors=[guard])
@@ -341,6 +347,8 @@ class WorkerServer:
         )
         self.port = 0
         self.modes: tuple[str, ...] = ()
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
 
     async def start(self) -> int:
         self.port = listen(self.server, self.cfg.host, self.cfg.port, self.cfg.security)
@@ -348,6 +356,11 @@ class WorkerServer:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.cfg.health_port is not None:
+            self.health_server, self.health_port = health_only_server(
+                self.cfg.host, self.cfg.health_port, self.health
+            )
+            await self.health_server.start()
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         if self.registry is not None:
@@ -402,6 +415,8 @@ class WorkerServer:
             except Exception as exc:
                 log.warning("could not deregister from the registry: %s", exc)
         await self.server.stop(self.cfg.grace_seconds if grace is None else grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         self.servicer.executor.shutdown(wait=False, cancel_futures=True)
 
     async def wait(self) -> None:

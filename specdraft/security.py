@@ -169,6 +169,36 @@ def listen(server: grpc.aio.Server, host: str, port: int, security: ServerSecuri
     return int(bound)
 
 
+def health_only_server(host: str, port: int, health: Any) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server of ``health`` (a ``grpc.health.v1`` servicer) alone, for probes that
+    cannot speak TLS (Kubernetes' gRPC probes): it tells nothing but SERVING / NOT_SERVING."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    return server, int(bound)
+
+
+def connection_options(max_connection_age_seconds: float) -> list[tuple[str, int]]:
+    """Server options: keepalive pings, and connections closed (gracefully) after
+    ``max_connection_age_seconds`` so that clients behind a ClusterIP Service reconnect and
+    spread over pods that started since (0 = never)."""
+    options = [
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+    if max_connection_age_seconds > 0:
+        options += [
+            ("grpc.max_connection_age_ms", int(max_connection_age_seconds * 1000)),
+            ("grpc.max_connection_age_grace_ms", 30_000),
+        ]
+    return options
+
+
 # -- clients --------------------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ from kubernetes_validate.utils import all_versions, major_minor
 
 from helpers.k8s import (
     ALL_PORTS,
+    ANYWHERE,
     CONTAINER_DIR,
     DATASTORE_STARTUP_BUDGET_S,
     DEFAULT_GRACE_SECONDS,
@@ -208,8 +209,8 @@ def test_every_workload_has_three_probes_and_ours_use_grpc(docs: tuple[Manifest,
                     assert "grpc" in c[probe], (
                         f"{w['metadata']['name']}/{c['name']}: {probe} is not a gRPC probe"
                     )
-                    port = c[probe]["grpc"]["port"]
-                    assert port == container_ports(c)["grpc"], f"{c['name']}: {probe} on port {port}"
+                    port = c[probe]["grpc"]["port"]  # the plaintext health-only port: probes speak no TLS
+                    assert port == container_ports(c)["health"], f"{c['name']}: {probe} on port {port}"
                     assert c[probe]["timeoutSeconds"] < c[probe]["periodSeconds"]
 
 
@@ -412,6 +413,10 @@ def test_worker_args_parse_with_the_cli(
         f"--metrics-port {args.metrics_port} is not the metrics port"
     )
     assert args.advertise == f"{FIELD_DUMMIES['status.podIP']}:{args.port}"
+    assert args.health_port == ports["health"]
+    assert args.tls_cert and args.tls_key and args.token_file, "clients reach workers over TLS with a token"
+    assert args.datastore_tls_ca and args.datastore_tls_cert, "workers reach shards over mutual TLS"
+    check_secret_mounts(docs, worker, [args.tls_cert, args.tls_key, args.token_file, args.datastore_tls_ca])
     assert args.threads == 2  # from the CPU limit
     check_redis_url(docs, args.registry)
     # one address per shard: the StatefulSet's pods behind its headless Service, on its grpc port
@@ -438,6 +443,58 @@ def test_datastore_args_parse_with_the_cli(
         f"--metrics-port {args.metrics_port} is not the metrics port"
     )
     check_redis_url(docs, args.redis)
+    assert args.admin_port == ports["admin"] and args.health_port == ports["health"]
+    assert args.versions_root == "/data/versions"
+    assert args.tls_cert and args.tls_key and args.tls_ca, "shards serve mutual TLS"
+    assert args.admin_token_file or args.admin_cert_name, "the admin port needs an admin identity"
+    sts = by_component(docs, "datastore")
+    check_secret_mounts(docs, sts, [args.tls_cert, args.tls_key, args.tls_ca, args.admin_token_file])
+
+
+def check_secret_mounts(docs: Sequence[Manifest], workload: Manifest, paths: Sequence[str]) -> None:
+    """Every path lies in a read-only mount of a Secret volume of the workload's main container."""
+    volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+    mounts = main_container(workload).get("volumeMounts", [])
+    for path in paths:
+        mount = [m for m in mounts if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert mount, f"{path} is not under any volume mount"
+        assert mount[0].get("readOnly"), f"{path}: its mount is writable"
+        assert "secret" in volumes[mount[0]["name"]], f"{path} does not come from a Secret"
+
+
+def test_no_server_binds_loopback_and_no_admin_port_is_open_to_workers(docs: tuple[Manifest, ...]) -> None:
+    ingress, egress = policy_flows(docs)
+    admin = container_ports(main_container(by_component(docs, "datastore")))["admin"]
+    for flow in ingress | egress:
+        if flow[1] == "datastore" and flow[2] in (f"{admin}/TCP", ALL_PORTS):
+            assert flow[0] == "datastore-build", f"the shards' admin port is open to {flow[0]}"
+    for w in workloads(docs):
+        if is_specdraft(w) and main_container(w).get("args", [])[:1] == ["serve"]:
+            host = option(main_container(w)["args"], "--host")
+            assert host not in (None, "127.0.0.1", "localhost", "::1"), f"{component(w)} binds loopback"
+
+
+def test_the_policy_evaluator_catches_open_admin_ports_and_internet_egress(
+    docs: tuple[Manifest, ...],
+) -> None:
+    """The checks above fail when they should: a rule opening the admin port to workers, and an
+    egress rule to 0.0.0.0/0, each break them."""
+    import copy
+
+    opened = copy.deepcopy(list(docs))
+    datastore_policy = next(
+        p for p in of_kind(opened, "NetworkPolicy") if p["metadata"]["name"] == "datastore"
+    )
+    datastore_policy["spec"]["ingress"][0]["ports"].append({"port": 50062, "protocol": "TCP"})
+    with pytest.raises(AssertionError, match="admin port is open to worker"):
+        test_no_server_binds_loopback_and_no_admin_port_is_open_to_workers(tuple(opened))
+    leaky = copy.deepcopy(list(docs))
+    worker_policy = next(p for p in of_kind(leaky, "NetworkPolicy") if p["metadata"]["name"] == "worker")
+    worker_policy["spec"]["egress"].append({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
+    _, egress = policy_flows(leaky)
+    assert ("worker", ANYWHERE, ALL_PORTS) in egress
+    with pytest.raises(AssertionError):
+        test_network_policies_allow_the_needed_flows_and_no_others(tuple(leaky))
 
 
 def test_shard_index_comes_from_the_pod_index_label(docs: tuple[Manifest, ...]) -> None:
@@ -495,7 +552,10 @@ def test_rebuild_job_builds_then_swaps(docs: tuple[Manifest, ...]) -> None:
     build_at, swap_at = script.find("datastore build"), script.find("datastore swap")
     assert 0 <= build_at < swap_at, "the job must run `datastore build`, then `datastore swap`"
     assert '--shards "$SHARDS"' in script
-    assert "--datastore-addr" in script[swap_at:], "the swap must reach every shard"
+    assert "--admin-addr" in script[swap_at:] and ":50062" in script, "the swap must reach every admin port"
+    assert "--admin-token-file" in script[swap_at:], "the swap needs the admin identity"
+    moved = script.find("/data/current")
+    assert moved > swap_at, "/data/current moves only after every shard swapped"
     sources = {e["configMapRef"]["name"] for e in container.get("envFrom", [])}
     assert "specdraft-datastore" in sources
 

@@ -223,6 +223,20 @@ def test_shards_over_mutual_tls_with_an_admin_certificate(root: Path, certs: Cer
             other = RemoteDatastore([shards[0].address], 2.0, plain)
             assert other.retrieve(np.array([1, 2, 3]), CFG).retrieval.candidates == ()
             assert other.failures[shards[0].address] == 1
+        probe = ShardThread(
+            ShardState.open(root / "v1", 0),
+            ShardServerConfig(port=0, admin_port=None, health_port=0, security=security),
+        )
+        try:  # a Kubernetes gRPC probe speaks plaintext: a port of health alone answers it
+            with grpc.insecure_channel(f"127.0.0.1:{probe.server.health_port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                retrieve = datastore_pb2_grpc.DatastoreStub(channel).Retrieve
+                assert rpc_error(retrieve, retrieve_request(context=[1]), timeout=5).code() == (
+                    grpc.StatusCode.UNIMPLEMENTED
+                )
+        finally:
+            probe.stop()
         refused = rpc_error(load, shards[0].admin_address, "v2", as_worker)
         assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
         assert swap_all([s.admin_address for s in shards], "v2", as_admin) == [("v1", "v2"), ("v1", "v2")]

@@ -204,7 +204,7 @@ def server_security(args: argparse.Namespace) -> Any:
     from specdraft.security import ADMIN_TOKEN_ENV, TOKEN_ENV, SecurityError, ServerSecurity, read_tokens
 
     try:
-        return ServerSecurity(
+        security = ServerSecurity(
             cert=args.tls_cert,
             key=args.tls_key,
             ca=args.tls_ca,
@@ -215,6 +215,9 @@ def server_security(args: argparse.Namespace) -> Any:
             admin_names=tuple(getattr(args, "admin_cert_name", ())),
             insecure=args.insecure,
         )
+        if security.tls:
+            security.credentials()  # the PEM files are readable now, not at the first bind
+        return security
     except SecurityError as exc:
         raise CliError(str(exc)) from exc
 

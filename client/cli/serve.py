@@ -49,6 +49,12 @@ def add_serve(sub: Any) -> None:
     w.add_argument(
         "--max-generation-seconds", type=float, default=600.0, help="wall time one generation may take"
     )
+    w.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="plaintext port serving only health (for TLS-less probes)",
+    )
     add_server_security_args(w)
     w.set_defaults(func=cmd_serve_worker)
 
@@ -86,6 +92,12 @@ def add_serve(sub: Any) -> None:
     ds.add_argument(
         "--faiss-gpu", type=int, default=None, help="search dense indexes on this GPU (needs faiss-gpu)"
     )
+    ds.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="plaintext port serving only health (for TLS-less probes)",
+    )
     add_server_security_args(ds, admin=True)
     ds.set_defaults(func=cmd_serve_datastore)
 
@@ -113,6 +125,7 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
         security=security,
         max_prompt_bytes=args.max_prompt_bytes,
         max_generation_seconds=args.max_generation_seconds,
+        health_port=args.health_port,
     )
     try:
         registry = open_registry(args.registry, ttl=args.registry_ttl) if args.registry else None
@@ -148,6 +161,7 @@ def cmd_serve_datastore(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         admin_port=args.admin_port,
+        health_port=args.health_port,
         security=security,
         retrieve_threads=args.retrieve_threads,
         max_pending=args.max_pending,

@@ -34,7 +34,11 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/specdraft
 # gRPC (specdraft.v1.Datastore, grpc.health.v1, reflection) and Prometheus /metrics
-EXPOSE 50061 9100
+# 50062: DatastoreAdmin (admin token); 50070: plaintext health alone, for probes. TLS from
+# /etc/specdraft/tls, the admin token from /etc/specdraft/tokens (mount Secrets there; README, Security)
+EXPOSE 50061 50062 50070 9100
 ENTRYPOINT ["specdraft"]
 CMD ["serve", "datastore", "--datastore", "/data/current", "--shard", "0", "--host", "0.0.0.0", \
-     "--port", "50061", "--metrics-port", "9100"]
+     "--port", "50061", "--metrics-port", "9100", "--admin-port", "50062", "--health-port", "50070", \
+     "--versions-root", "/data/versions", "--tls-cert", "/etc/specdraft/tls/tls.crt", "--tls-key", "/etc/specdraft/tls/tls.key", \
+     "--tls-ca", "/etc/specdraft/tls/ca.crt", "--admin-token-file", "/etc/specdraft/tokens/admin-token"]

@@ -35,7 +35,11 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/specdraft
 # gRPC (specdraft.v1.Generation, grpc.health.v1, reflection) and Prometheus /metrics
-EXPOSE 50051 9100
+# TLS from /etc/specdraft/tls and client tokens from /etc/specdraft/tokens (mount Secrets there;
+# README, Security); 50060: plaintext health alone, for probes
+EXPOSE 50051 50060 9100
 ENTRYPOINT ["specdraft"]
 CMD ["serve", "worker", "--model", "/opt/specdraft/models/SmolLM2-135M-Instruct", \
-     "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9100"]
+     "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9100", "--health-port", "50060", \
+     "--tls-cert", "/etc/specdraft/tls/tls.crt", "--tls-key", "/etc/specdraft/tls/tls.key", \
+     "--token-file", "/etc/specdraft/tokens/client-tokens"]

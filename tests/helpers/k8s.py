@@ -297,7 +297,7 @@ NEEDED_FLOWS: frozenset[Flow] = frozenset(
         (PROMETHEUS, "worker", "9100/TCP"),
         (PROMETHEUS, "datastore", "9100/TCP"),
         ("worker", "datastore", "50061/TCP"),  # retrieval fan-out
-        ("datastore-build", "datastore", "50061/TCP"),  # LoadVersion / SwapVersion
+        ("datastore-build", "datastore", "50062/TCP"),  # admin: LoadVersion / SwapVersion
         ("worker", "cache", "6379/TCP"),
         ("datastore", "cache", "6379/TCP"),
         ("datastore-build", "cache", "6379/TCP"),
@@ -330,6 +330,11 @@ def policy_flows(docs: Sequence[Manifest]) -> tuple[set[Flow], set[Flow]]:
         """``(peer, port)`` pairs of one rule (``key``: ``from`` or ``to``)."""
         peers = [ANYWHERE] if not rule.get(key) else []
         for peer in rule.get(key) or []:
+            if "ipBlock" in peer:  # CIDRs: 0.0.0.0/0 or ::/0 (minus any except) is anywhere
+                block = peer["ipBlock"]
+                everything = block["cidr"] in ("0.0.0.0/0", "::/0")
+                peers.append(ANYWHERE if everything else json.dumps(peer, sort_keys=True))
+                continue
             local = set(peer) == {"podSelector"}  # no namespaceSelector: the policy's own namespace
             peers += selected(peer["podSelector"]) if local else [json.dumps(peer, sort_keys=True)]
         return [(peer, port) for peer in peers for port in rule_ports(rule)]
