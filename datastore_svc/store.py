@@ -333,6 +333,8 @@ def _library_version() -> str:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
+    """The version's manifest, checked by type (``check_manifest``); DatastoreError names what
+    is wrong."""
     file = path / MANIFEST
     if not path.is_dir():
         raise DatastoreError(f"{path} is not a datastore version directory")
@@ -340,6 +342,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(file.read_text())
     except FileNotFoundError:
         raise DatastoreError(f"{path} has no {MANIFEST} (a partial or foreign directory)") from None
+    except OSError as exc:
+        raise DatastoreError(f"{file} is not a readable file ({exc.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DatastoreError(f"{file} is corrupt: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -348,10 +352,45 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise DatastoreError(
             f"{file}: format version {manifest.get('format_version')} (this build reads {FORMAT_VERSION})"
         )
+    problem = check_manifest(manifest)
+    if problem:
+        raise DatastoreError(f"{file}: {problem}")
+    return manifest
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_manifest(manifest: dict[str, Any]) -> str:
+    """What is wrong with the manifest's fields, by type ("" = nothing): a malformed manifest is
+    refused before any of it is used."""
     for key in ("version", "tokenizer", "separator", "shards"):
         if key not in manifest:
-            raise DatastoreError(f"{file} lacks {key!r}")
-    return manifest
+            return f"lacks {key!r}"
+    if not isinstance(manifest["version"], str) or not manifest["version"]:
+        return "field 'version' must be a non-empty string"
+    if not isinstance(manifest["tokenizer"], dict):
+        return "field 'tokenizer' must be an object"
+    if not _is_int(manifest["separator"]) or manifest["separator"] < 1:
+        return "field 'separator' must be a positive integer"
+    shards = manifest["shards"]
+    if not isinstance(shards, list) or not shards:
+        return "field 'shards' must be a non-empty list"
+    for i, entry in enumerate(shards):
+        if not isinstance(entry, dict) or not _is_int(entry.get("index")) or not _is_int(entry.get("tokens")):
+            return f"field 'shards[{i}]' must be an object with integer 'index' and 'tokens'"
+        files = entry.get("files", {})
+        if not isinstance(files, dict) or not all(
+            isinstance(f, dict) and _is_int(f.get("bytes")) and isinstance(f.get("sha256"), str)
+            for f in files.values()
+        ):
+            return f"field 'shards[{i}].files' must map names to {{bytes, sha256}}"
+    if "dense" in manifest and (
+        not isinstance(manifest["dense"], dict) or not isinstance(manifest["dense"].get("stats", {}), dict)
+    ):
+        return "field 'dense' must be an object with an object 'stats'"
+    return ""
 
 
 @dataclass
@@ -479,6 +518,14 @@ class DatastoreVersion:
             except (DenseError, AttributeError) as exc:
                 raise DatastoreError(f"{self.path / MANIFEST}: {exc}") from None
         self.shards = [open_shard(self.path, self.manifest, i, verify) for i in indexes]
+        for shard in self.shards:
+            if shard.dense is not None and self.dense_stats is not None:
+                dims = shard.dense.index.d
+                if dims != self.dense_stats.dims:
+                    raise DatastoreError(
+                        f"{self.path / shard_dir(shard.index)}: the dense index has {dims} dimensions, "
+                        f"its statistics {self.dense_stats.dims}"
+                    )
         if faiss_gpu is not None:
             for shard in self.shards:
                 if shard.dense is not None:

@@ -23,7 +23,7 @@ from helpers.stats import VOCAB
 from llm_worker.config import ModelConfig
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
-from specdraft.stubs import datastore_pb2_grpc
+from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 pytestmark = pytest.mark.redis
 CFG = DenseConfig(top_k=32, max_candidates=3, max_length=8)
@@ -373,3 +373,83 @@ def test_a_swap_to_a_dense_version_of_other_dimensions(setup, tmp_path: Path) ->
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_dense_index_of_other_dimensions_than_its_statistics_is_refused(setup, tmp_path: Path) -> None:
+    """A version whose FAISS index has 16 dimensions but whose statistics make 8 (index files
+    swapped, checksums updated so only the dimension is wrong): FAILED_PRECONDITION on LoadVersion,
+    DatastoreError in process, and the shard keeps its version."""
+    import json
+    import shutil
+
+    from datastore_svc.dense_build import DenseBuildConfig, dense_step
+    from datastore_svc.store import DatastoreError, derive_version, sha256_file
+
+    model, target, _, root, _ = setup
+    cfg = DenseBuildConfig(dims=8, window=32, overlap=8, chunk_tokens=120, cache_dir=root / "hidden")
+    if not (root / "v-d8").exists():
+        derive_version(
+            root / "v", root / "v-d8", dense_step(model, "tiny", target.info.weights_id, cfg, False)
+        )
+    bad = root / "v-mismatch"
+    if not bad.exists():
+        shutil.copytree(root / "v-d8", bad)
+        manifest = json.loads((bad / "manifest.json").read_text())
+        manifest["version"] = "v-mismatch"
+        for entry in manifest["shards"]:
+            shard = f"shard-{entry['index']:04d}"
+            shutil.copyfile(root / "v" / shard / "dense.faiss", bad / shard / "dense.faiss")
+            file = bad / shard / "dense.faiss"
+            entry["files"]["dense.faiss"] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
+        (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatastoreError, match="16 dimensions, its statistics 8"):
+        DatastoreVersion(bad)
+    server = ShardThread(ShardState.open(root / "v", 0))
+    try:
+        with ADMIN.channel(server.admin_address) as channel, pytest.raises(grpc.RpcError) as err:
+            datastore_pb2_grpc.DatastoreAdminStub(channel).LoadVersion(
+                datastore_pb2.LoadVersionRequest(version="v-mismatch"), timeout=30
+            )
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert "dimensions" in (err.value.details() or "") and str(root) not in (err.value.details() or "")
+        assert server.state.current_version() == "v"
+    finally:
+        server.stop()
+
+
+def test_out_of_vocabulary_drafts_planted_in_redis_change_nothing(setup, redis_server: RedisServer) -> None:
+    """Someone with access to Redis rewrites every cached dense query so that its drafts hold token
+    ids outside the vocabulary: the worker drops those drafts before the forward (counted), and
+    its output stays identical to ar."""
+    from datastore_svc.cache import decode_result, encode_result
+    from datastore_svc.dense import DenseCandidate, DenseRetrieval
+
+    _, target, version, _, refs = setup
+    prompt = prompts(VOCAB)[0]
+
+    def worker() -> tuple[Engine, QueryCache]:
+        link = RedisLink(redis_server.url)
+        queries = QueryCache(link, ttl=60)
+        engine = datastore_engine(
+            target, LocalRetriever(version), dense_stats=StatsCache(link), dense_queries=queries
+        )
+        return engine, queries
+
+    first_engine, first_cache = worker()
+    first_engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
+    client = first_cache.link.client
+    keys = client.keys("specdraft:datastore:v:dense-q:*")
+    assert keys
+    for key in keys:
+        query, result = decode_result(client.hgetall(key))
+        poisoned = tuple(
+            DenseCandidate((c.tokens[0], 10**6, -5, *c.tokens[1:]), c.score, c.count, c.source)
+            for c in result.candidates
+        ) or (DenseCandidate((1, 10**6), 1.0, 1),)
+        client.hset(
+            key, mapping=encode_result(query, DenseRetrieval(poisoned, result.searched, result.matched))
+        )
+    engine, cache = worker()
+    res = engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
+    assert res.token_ids == refs[0]
+    assert cache.counters.hits > 0 and engine.dropped_drafts > 0

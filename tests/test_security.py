@@ -534,3 +534,35 @@ def test_a_worker_and_shards_over_mutual_tls_equal_ar(
         server.stop()
         for s in shards:
             s.stop()
+
+
+@pytest.mark.parametrize(
+    "name,edit,field",
+    [
+        ("m-dir", None, "not a readable file"),
+        ("m-tokenizer", {"tokenizer": "x"}, "'tokenizer'"),
+        ("m-separator", {"separator": "abc"}, "'separator'"),
+        ("m-shards", {"shards": [{"index": "0"}]}, "'shards[0]'"),
+        ("m-version", {"version": 7}, "'version'"),
+    ],
+)
+def test_a_malformed_manifest_is_failed_precondition_naming_the_field(
+    shards: list[ShardThread], root: Path, name: str, edit: dict[str, Any] | None, field: str
+) -> None:
+    import json
+    import shutil
+
+    target = root / name
+    if not target.exists():
+        shutil.copytree(root / "v1", target)
+        manifest = target / "manifest.json"
+        if edit is None:
+            manifest.unlink()
+            manifest.mkdir()
+        else:
+            manifest.write_text(json.dumps({**json.loads(manifest.read_text()), **edit}))
+    err = rpc_error(load, shards[0].admin_address, name, ADMIN)
+    details = err.details() or ""
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and field in details, details
+    assert str(root) not in details
+    assert shards[0].state.current_version() == "v1"
