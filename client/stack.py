@@ -109,6 +109,41 @@ class StackState:
         )
 
 
+REDIS_SECRETS_FILE = "redis-passwords.json"
+"""Each Redis role's password (``specdraft.redisconn.ROLES``), mode 0600; the ACL file holds only
+their hashes."""
+
+
+def _private_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, readable by its owner only."""
+    tmp = temp_sibling(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, path)
+
+
+def redis_passwords(state_dir: Path) -> dict[str, str]:
+    """The stack's Redis passwords by role, made (random) if missing."""
+    import secrets
+
+    from specdraft.redisconn import ROLES
+
+    path = state_dir / REDIS_SECRETS_FILE
+    if path.exists():
+        return dict(json.loads(path.read_text()))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    passwords = {role: secrets.token_urlsafe(24) for role in ROLES}
+    _private_write(path, json.dumps(passwords) + "\n")
+    return passwords
+
+
+def redis_password(state_dir: Path, role: str) -> str | None:
+    """One role's password of the stack in ``state_dir`` (None: the stack has no Redis ACL)."""
+    path = state_dir / REDIS_SECRETS_FILE
+    return str(json.loads(path.read_text())[role]) if path.exists() else None
+
+
 ADMIN_TOKEN_FILE = "admin-token"
 """The stack's admin token (the shards accept it for LoadVersion / SwapVersion), mode 0600."""
 
@@ -120,11 +155,7 @@ def admin_token_file(state_dir: Path) -> Path:
         import secrets
 
         state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = temp_sibling(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(32) + "\n")
-        os.replace(tmp, path)
+        _private_write(path, secrets.token_urlsafe(32) + "\n")
     return path
 
 
@@ -192,10 +223,17 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _spawn(name: str, kind: str, argv: Sequence[str], address: str, log: Path) -> Process:
+def _spawn(
+    name: str, kind: str, argv: Sequence[str], address: str, log: Path, env: dict[str, str] | None = None
+) -> Process:
     with open(log, "ab") as out:
         popen = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env={**os.environ, **env} if env else None,
         )
     return Process(name, kind, popen.pid, address, str(log), _start_time(popen.pid))
 
@@ -208,10 +246,10 @@ def _tail(path: str, lines: int = 15) -> str:
     return "\n".join(text[-lines:])
 
 
-def _wait_redis(proc: Process, timeout: float) -> None:
+def _wait_redis(proc: Process, timeout: float, password: str) -> None:
     import redis
 
-    client = redis.Redis.from_url(f"redis://{proc.address}/0", socket_timeout=1.0)
+    client = redis.Redis.from_url(f"redis://client@{proc.address}/0", socket_timeout=1.0, password=password)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not is_alive(proc):
@@ -302,14 +340,19 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                 port = _port(cfg.redis_port, 0)
                 if _port_in_use(port):
                     raise StackError(f"port {port} for redis is in use; choose another with --redis-port")
+                from specdraft.redisconn import acl_file
+
+                passwords = redis_passwords(state_dir)
+                acl = state_dir / "redis-users.acl"
+                _private_write(acl, acl_file(passwords))
                 argv = [redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
                 argv += ["--appendonly", "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
-                argv += ["--dir", str(state_dir)]
+                argv += ["--dir", str(state_dir), "--protected-mode", "yes", "--aclfile", str(acl)]
                 proc = _spawn("redis", "redis", argv, f"127.0.0.1:{port}", logs / "redis.log")
                 state.processes.append(proc)
                 write_state(state_dir, state)
-                _wait_redis(proc, 30.0)
-                state.registry = f"redis://127.0.0.1:{port}/0"
+                _wait_redis(proc, 30.0, passwords["client"])
+                state.registry = f"redis://client@127.0.0.1:{port}/0"  # discovery (read only)
                 say(f"redis      {proc.address}  (pid {proc.pid})")
         datastore_addr = ""
         if cfg.datastore:
@@ -331,14 +374,18 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                 mport = _port(cfg.metrics_port, i)
                 argv += ["--metrics-port", str(mport)]
                 metrics = f"http://127.0.0.1:{mport}/metrics"
-            if state.registry:
-                argv += ["--registry", state.registry]
+            env = None
+            if state.registry:  # as Redis user "worker", its password in the environment
+                worker_redis = _as_role(state.registry, "worker")
+                argv += ["--registry", worker_redis]
+                env = _redis_env(state_dir, "worker")
             if datastore_addr:
                 argv += ["--datastore-addr", datastore_addr]
                 if state.registry:  # dense statistics and query results, shared by the workers
-                    argv += ["--dense-cache", state.registry]
+                    argv += ["--dense-cache", worker_redis]
             argv += list(cfg.worker_args)
-            proc = _spawn(f"worker-{i}", "worker", argv, f"127.0.0.1:{port}", logs / f"worker-{i}.log")
+            log_file = logs / f"worker-{i}.log"
+            proc = _spawn(f"worker-{i}", "worker", argv, f"127.0.0.1:{port}", log_file, env)
             proc.metrics = metrics
             state.processes.append(proc)
             workers.append(proc)
@@ -376,14 +423,28 @@ def start_shards(cfg: StackConfig, state: StackState, state_dir: Path, logs: Pat
         admin_port = _free_port()
         argv += ["--shard", str(i), "--port", str(port), "--admin-port", str(admin_port)]
         argv += ["--admin-token-file", str(admin_token_file(state_dir))]
+        env = None
         if state.registry:  # shards publish dense statistics where workers look first
-            argv += ["--redis", state.registry]
-        proc = _spawn(f"shard-{i}", "datastore", argv, f"127.0.0.1:{port}", logs / f"shard-{i}.log")
+            argv += ["--redis", _as_role(state.registry, "shard")]
+            env = _redis_env(state_dir, "shard")
+        proc = _spawn(f"shard-{i}", "datastore", argv, f"127.0.0.1:{port}", logs / f"shard-{i}.log", env)
         proc.admin = f"127.0.0.1:{admin_port}"
         state.processes.append(proc)
         shards.append(proc)
         write_state(state_dir, state)
     return shards
+
+
+def _as_role(url: str, role: str) -> str:
+    """The stack's Redis URL as another ACL user: ``redis://client@h:p/0`` → ``redis://worker@h:p/0``."""
+    return url.replace("redis://client@", f"redis://{role}@", 1)
+
+
+def _redis_env(state_dir: Path, role: str) -> dict[str, str]:
+    from specdraft.redisconn import PASSWORD_ENV
+
+    password = redis_password(state_dir, role)
+    return {PASSWORD_ENV: password} if password else {}
 
 
 def down(state_dir: Path, grace_seconds: float = 30.0) -> StackState | None:

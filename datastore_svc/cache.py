@@ -34,6 +34,7 @@ from datastore_svc.dense import (
     DenseSource,
     DenseStats,
 )
+from specdraft.redisconn import check_url, connect, redacted
 
 log = logging.getLogger(__name__)
 NAMESPACE = "specdraft:datastore"
@@ -43,10 +44,8 @@ class RedisLink:
     """A Redis client that fails fast and backs off: ``call`` returns None when Redis is unusable."""
 
     def __init__(self, url: str, timeout: float = 0.05, retry_after: float = 5.0) -> None:
-        import redis
-
-        self.url = url
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.url = redacted(url)
+        self.client = connect(url, timeout)
         self.retry_after = retry_after
         self._down_until = 0.0
         self.errors = 0
@@ -71,8 +70,7 @@ class RedisLink:
 def link_for(url: str | None) -> RedisLink | None:
     if not url:
         return None
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"cache URL {url!r}: use redis://HOST:PORT[/DB]")
+    check_url(url, "cache")
     return RedisLink(url)
 
 

@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from specdraft.redisconn import check_url, connect, redacted
+
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "specdraft"
@@ -89,12 +91,10 @@ class RedisRegistry:
     """Records in Redis: ``SET key json EX ttl`` per worker, ``SCAN`` to discover."""
 
     def __init__(self, url: str, namespace: str = DEFAULT_NAMESPACE, ttl: float = DEFAULT_TTL) -> None:
-        import redis
-
-        self.url = url
+        self.url = redacted(url)
         self.namespace = namespace
         self.ttl = ttl
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.client = connect(url, timeout=2.0)
 
     def _key(self, worker_id: str) -> str:
         return f"{self.namespace}:workers:{worker_id}"
@@ -121,12 +121,12 @@ class RedisRegistry:
 
 
 def open_registry(url: str | None, namespace: str = DEFAULT_NAMESPACE, ttl: float = DEFAULT_TTL) -> Registry:
-    """``redis://...`` → Redis; None or ``memory://`` → in-process."""
+    """``redis://...`` or ``rediss://...`` → Redis (``specdraft.redisconn``); None or ``memory://`` →
+    in-process."""
     if not url or url.startswith("memory://"):
         return InProcessRegistry(ttl)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisRegistry(url, namespace, ttl)
-    raise ValueError(f"registry URL {url!r}: use redis://HOST:PORT[/DB] (or memory://)")
+    check_url(url, "registry")
+    return RedisRegistry(url, namespace, ttl)
 
 
 def discover(registry: Registry, mode: str | None) -> list[str]:

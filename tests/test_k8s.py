@@ -390,12 +390,21 @@ def test_network_policies_allow_the_needed_flows_and_no_others(docs: tuple[Manif
     assert egress == {flow for flow in needed if flow[0] in pods}
 
 
-def check_redis_url(docs: Sequence[Manifest], url: str | None) -> None:
-    """``url`` is ``redis://SERVICE:PORT/DB`` with a Service of the manifests and one of its ports."""
-    match = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)/\d+", url or "")
-    assert match, f"not a redis://SERVICE:PORT/DB address: {url!r}"
-    service = find(docs, "Service", match.group(1))
-    assert int(match.group(2)) in [p["port"] for p in service["spec"]["ports"]], url
+def check_redis_url(docs: Sequence[Manifest], url: str | None, workload: Manifest | None = None) -> None:
+    """``url`` is ``redis://USER@SERVICE:PORT/DB`` with a Service of the manifests and one of its
+    ports; USER is a role of the ACL, and its password (never in the URL) comes to ``workload``'s
+    container from the Secret specdraft-redis."""
+    from specdraft.redisconn import PASSWORD_ENV, ROLES
+
+    match = re.fullmatch(r"redis://([a-z]+)@([a-z0-9-]+):(\d+)/\d+", url or "")
+    assert match, f"not a redis://USER@SERVICE:PORT/DB address: {url!r}"
+    assert match.group(1) in ROLES, f"{match.group(1)} is not a Redis ACL role"
+    service = find(docs, "Service", match.group(2))
+    assert int(match.group(3)) in [p["port"] for p in service["spec"]["ports"]], url
+    if workload is not None:
+        env = {e["name"]: e for e in main_container(workload).get("env", [])}
+        ref = env[PASSWORD_ENV]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("specdraft-redis", f"redis-{match.group(1)}"), ref
 
 
 def test_worker_args_parse_with_the_cli(
@@ -418,7 +427,7 @@ def test_worker_args_parse_with_the_cli(
     assert args.datastore_tls_ca and args.datastore_tls_cert, "workers reach shards over mutual TLS"
     check_secret_mounts(docs, worker, [args.tls_cert, args.tls_key, args.token_file, args.datastore_tls_ca])
     assert args.threads == 2  # from the CPU limit
-    check_redis_url(docs, args.registry)
+    check_redis_url(docs, args.registry, worker)
     # one address per shard: the StatefulSet's pods behind its headless Service, on its grpc port
     sts = by_component(docs, "datastore")
     shard_port = container_ports(main_container(sts))["grpc"]
@@ -442,7 +451,7 @@ def test_datastore_args_parse_with_the_cli(
     assert args.metrics_port == ports["metrics"], (
         f"--metrics-port {args.metrics_port} is not the metrics port"
     )
-    check_redis_url(docs, args.redis)
+    check_redis_url(docs, args.redis, by_component(docs, "datastore"))
     assert args.admin_port == ports["admin"] and args.health_port == ports["health"]
     assert args.versions_root == "/data/versions"
     assert args.tls_cert and args.tls_key and args.tls_ca, "shards serve mutual TLS"
@@ -638,3 +647,19 @@ def test_manifest_images_have_dockerfiles(
             model = option(c.get("args", []), "--model")
             if model:
                 assert model in path.read_text(), f"{path.name} does not bake {model}"
+
+
+def test_redis_is_locked_down(docs: tuple[Manifest, ...]) -> None:
+    """Protected mode, the ACL file from a Secret, probes as the read-only user; the rebuild job
+    publishes as user build."""
+    redis_workload = next(w for w in workloads(docs) if component(w) == "cache")
+    args = main_container(redis_workload)["args"]
+    assert option(args, "--protected-mode") == "yes"
+    acl = option(args, "--aclfile")
+    assert acl is not None
+    check_secret_mounts(docs, redis_workload, [acl])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = main_container(redis_workload)[probe]["exec"]["command"]
+        assert "--user" in command and "-e" in command, f"{probe}: {command}"
+    build_args = find(docs, "ConfigMap", "specdraft-datastore")["data"]["BUILD_ARGS"].split()
+    check_redis_url(docs, build_args[build_args.index("--redis") + 1], by_component(docs, "datastore-build"))

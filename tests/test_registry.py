@@ -131,3 +131,48 @@ def test_metrics_endpoint_counts_requests_by_mode_and_status(worker: Worker) -> 
         srv.stop()
     assert 'specdraft_generated_tokens_total{mode="pld"}' in body
     assert "specdraft_tau_bucket" in body and "specdraft_time_to_first_token_seconds_bucket" in body
+
+
+def test_a_tls_worker_registers_in_a_tls_redis_with_acl_users(
+    worker: Worker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path with everything on: Redis over TLS (rediss://) with ACL users, the worker as user
+    ``worker`` (password from the environment, never in the URL or the log), discovery as user
+    ``client`` (read only: it cannot plant a record), clients over TLS with a token."""
+    import redis
+
+    from helpers.tls import make_certificates
+    from specdraft.redisconn import PASSWORD_ENV
+    from specdraft.security import ClientSecurity, ServerSecurity
+
+    certs = make_certificates(tmp_path / "tls")
+    server = RedisServer(acl=True, tls=(certs.ca, certs.server.cert, certs.server.key), workdir=tmp_path)
+    token = "registry-test-token-0123456789"
+    srv = None
+    try:
+        monkeypatch.setenv(PASSWORD_ENV, server.password("worker"))
+        published = RedisRegistry(server.url_for("worker"), ttl=5.0)
+        assert "password" not in published.url
+        security = ServerSecurity(cert=certs.server.cert, key=certs.server.key, tokens=(token,))
+        srv = ServerThread(worker, ServerConfig(port=0, security=security), registry=published)
+        monkeypatch.setenv(PASSWORD_ENV, server.password("client"))
+        discovery = RedisRegistry(server.url_for("client"))
+        addresses = discover(discovery, "pld")
+        assert addresses == [srv.address]
+        with pytest.raises(redis.exceptions.NoPermissionError):  # no poisoning the registry
+            discovery.publish(record("evil", ("pld",), load=0))
+        with GenerationClient(addresses, security=ClientSecurity(ca=certs.ca, token=token)) as client:
+            reply = client.generate(
+                build_request(text="hi", options=RequestOptions(mode="pld", max_new_tokens=3))
+            )
+        assert reply.token_ids
+        monkeypatch.setenv(PASSWORD_ENV, "wrong")
+        with pytest.raises(redis.AuthenticationError):
+            RedisRegistry(server.url_for("client")).workers()
+        plain = server.url_for("client").replace("rediss://", "redis://").split("?")[0]
+        with pytest.raises(redis.ConnectionError):  # no plaintext port at all
+            RedisRegistry(plain).workers()
+    finally:
+        if srv is not None:
+            srv.stop()
+        server.stop()

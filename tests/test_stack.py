@@ -17,7 +17,17 @@ import pytest
 
 from client.cli import main
 from client.grpc_client import GenerationClient, RequestOptions, build_request
-from client.stack import StackConfig, StackError, StackState, down, is_alive, read_state, status, up
+from client.stack import (
+    StackConfig,
+    StackError,
+    StackState,
+    down,
+    is_alive,
+    read_state,
+    redis_password,
+    status,
+    up,
+)
 from llm_worker.registry import RedisRegistry, discover
 
 pytestmark = pytest.mark.redis
@@ -37,6 +47,13 @@ def tiny_stack_config(tiny_dir: Path, **overrides: object) -> StackConfig:
     )
     base.update(overrides)
     return StackConfig(**base)  # type: ignore[arg-type]
+
+
+def stack_registry(state_dir: Path, state: StackState) -> RedisRegistry:
+    """The stack's registry as Redis user ``client`` (read only), with its password."""
+    registry = RedisRegistry(state.registry)
+    registry.client.connection_pool.connection_kwargs["password"] = redis_password(state_dir, "client")
+    return registry
 
 
 def running_stack(tiny_dir: Path, state_dir: Path) -> Iterator[tuple[Path, StackState]]:
@@ -67,7 +84,7 @@ def test_up_serves_registers_and_exports_metrics(stack: tuple[Path, StackState])
     assert [r["kind"] for r in rows] == ["redis", "worker", "worker"]
     assert all(r["alive"] for r in rows)
     assert [r["health"] for r in rows if r["kind"] == "worker"] == ["SERVING", "SERVING"]
-    assert sorted(discover(RedisRegistry(state.registry), "pld")) == sorted(state.worker_addresses())
+    assert sorted(discover(stack_registry(state_dir, state), "pld")) == sorted(state.worker_addresses())
     for proc in state.workers():
         with urllib.request.urlopen(proc.metrics, timeout=5) as reply:
             assert b"specdraft_requests_total" in reply.read()
@@ -103,8 +120,8 @@ def test_locust_headless_run_has_no_failures(stack: tuple[Path, StackState], tmp
 
 def test_client_fails_over_when_a_worker_dies_mid_run(own_stack: tuple[Path, StackState]) -> None:
     """SIGKILL the first worker while a client keeps generating: every call still succeeds."""
-    _, state = own_stack
-    addresses = discover(RedisRegistry(state.registry), "pld")
+    state_dir, state = own_stack
+    addresses = discover(stack_registry(state_dir, state), "pld")
     victim = next(p for p in state.workers() if p.address == addresses[0])
     request = build_request(text="fail over", options=RequestOptions(mode="pld", max_new_tokens=24))
     with GenerationClient(addresses, timeout=60) as client, ThreadPoolExecutor(2) as pool:
@@ -175,3 +192,37 @@ def test_up_with_a_datastore_serves_rest_through_shard_servers(
     finally:
         down(state_dir, grace_seconds=5.0)
     assert not any(is_alive(p) for p in state.processes)
+
+
+def test_the_stack_redis_is_locked_down(stack: tuple[Path, StackState]) -> None:
+    """protected-mode, no default user, one ACL user per role limited to its keys and commands."""
+    import redis
+
+    state_dir, state = stack
+    address = state.registry.split("@", 1)[1].rsplit("/", 1)[0]
+    host, port = address.split(":")
+    anonymous = redis.Redis(host=host, port=int(port), socket_timeout=5)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+
+    def as_role(role: str) -> redis.Redis:
+        return redis.Redis(
+            host=host,
+            port=int(port),
+            username=role,
+            password=redis_password(state_dir, role),
+            socket_timeout=5,
+        )
+
+    client, shard, worker = as_role("client"), as_role("shard"), as_role("worker")
+    assert client.ping() and client.mget(["specdraft:workers:none"]) == [None]
+    with pytest.raises(redis.exceptions.NoPermissionError):  # discovery is read only
+        client.set("specdraft:workers:evil", "{}")
+    with pytest.raises(redis.exceptions.NoPermissionError):  # a shard writes statistics, not workers
+        shard.set("specdraft:workers:evil", "{}")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        worker.set("elsewhere", "x")  # outside specdraft:*
+    for dangerous in (worker.flushall, worker.config_get, lambda: worker.execute_command("KEYS", "*")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            dangerous()
+    assert shard.set("specdraft:datastore:probe", b"x") and worker.get("specdraft:datastore:probe") == b"x"

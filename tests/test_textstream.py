@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llm_worker.textstream import REPLACEMENT, TextStream
 
@@ -12,7 +14,7 @@ def byte_decode(ids: list[int] | tuple[int, ...]) -> str:
     return bytes(ids).decode("utf-8", errors="replace")
 
 
-@pytest.mark.parametrize("text", ["Smile 😀 ok", "你好世界", "a€b", "😀😀", "plain"])
+@pytest.mark.parametrize("text", ["Smile 😀 ok", "你好世界", "🇫🇷", "a€b", "😀😀", "plain"])
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_deltas_join_to_the_text_and_never_hold_a_broken_character(text: str, step: int) -> None:
     ids = list(text.encode("utf-8"))
@@ -33,3 +35,36 @@ def test_a_rewritten_tail_is_not_repeated() -> None:
     decoded = iter(["Hello ", "Hello", "Hello world"])  # a decoder that trims a trailing space
     stream = TextStream(lambda ids: next(decoded))
     assert [stream.push([1]), stream.push([2]), stream.push([3])] == ["Hello ", "", "world"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from llm_worker.model.loading import default_model_dir
+
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def _joined(tokenizer, ids: list[int]) -> tuple[list[str], str]:
+    def decode(some: list[int] | tuple[int, ...]) -> str:
+        return str(tokenizer.decode(list(some), skip_special_tokens=True))
+
+    stream = TextStream(decode)
+    deltas = [stream.push([t]) for t in ids]
+    deltas.append(stream.finish())
+    return deltas, decode(ids)
+
+
+@pytest.mark.parametrize("text", ["😀", "你好世界", "🇫🇷", "Smile 😀 ok", "naïve café — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"])
+def test_the_real_tokenizer_one_token_at_a_time(tokenizer, text: str) -> None:
+    deltas, final = _joined(tokenizer, tokenizer.encode(text))
+    assert "".join(deltas) == final == text
+    assert not any(REPLACEMENT in d for d in deltas)
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_any_text_streams_to_its_final_text(tokenizer, text: str) -> None:
+    deltas, final = _joined(tokenizer, tokenizer.encode(text))
+    assert "".join(deltas) == final

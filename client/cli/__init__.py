@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from client.cli import bench, datastore, generate, serve, stack
+from client.cli import bench, datastore, generate, secrets, serve, stack
 from client.cli.common import EXIT_BAD_INPUT, CliError, Parser
 
 __all__ = ["EXIT_BAD_INPUT", "CliError", "build_parser", "main"]
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     datastore.add_datastore(sub)
     bench.add_bench(sub)
     generate.add_modes(sub)
+    secrets.add_secrets(sub)
     return parser
 
 

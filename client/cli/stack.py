@@ -74,7 +74,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         sys.stderr.write(f"specdraft: error: {exc}\n")
         return 1
     sys.stdout.write(json.dumps({"state_dir": str(state_dir), **state.to_json()}) + "\n")
-    hint = f"--registry {state.registry} " if state.registry else f"--server {state.worker_addresses()[0]} "
+    hint = f"--server {state.worker_addresses()[0]} "
+    if state.registry:  # discovery as the read-only Redis user "client", its password in a file
+        from client.stack import REDIS_SECRETS_FILE
+
+        secrets = state_dir / REDIS_SECRETS_FILE
+        hint = f"--registry {state.registry} (SPECDRAFT_REDIS_PASSWORD: 'client' in {secrets}) "
     sys.stderr.write(f"ready. try: specdraft generate {hint}--mode pld 'Hello'; stop: specdraft down\n")
     return 0
 

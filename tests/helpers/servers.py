@@ -28,6 +28,7 @@ from llm_worker.engine import Engine
 from llm_worker.model import load_target
 from llm_worker.server import ServerConfig, WorkerServer
 from llm_worker.worker import Worker
+from specdraft.redisconn import ROLES, acl_file
 from specdraft.security import ClientSecurity, ServerSecurity
 from specdraft.stubs import datastore_pb2
 
@@ -181,21 +182,57 @@ class SlowShard(ShardState):
 
 
 class RedisServer:
-    """A throwaway redis-server on a free port, without persistence; ready when constructed."""
+    """A throwaway redis-server on a free port, without persistence; ready when constructed.
 
-    def __init__(self) -> None:
+    ``acl``: locked down as in production (``specdraft.redisconn``): protected mode, the default
+    user off, one user per role; ``url_for(role)`` and ``password(role)`` reach it as that role.
+    ``tls``: ``(ca, cert, key)`` PEM files: TLS only (``rediss://``), no plaintext port.
+    """
+
+    def __init__(
+        self, acl: bool = False, tls: tuple[str, str, str] | None = None, workdir: Path | None = None
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed (make test installs it)")
         self.port = free_port()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        client = redis.Redis.from_url(self.url)
+        argv = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
+        self.passwords: dict[str, str] = {}
+        if acl:
+            assert workdir is not None, "an ACL server needs a directory for its ACL file"
+            self.passwords = {role: f"{role}-password-{self.port}" for role in ROLES}
+            acl_path = workdir / f"redis-{self.port}.acl"
+            acl_path.write_text(acl_file(self.passwords))
+            argv += ["--aclfile", str(acl_path)]
+        scheme, query = "redis", ""
+        if tls is not None:
+            ca, cert, key = tls
+            argv += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                cert,
+                "--tls-key-file",
+                key,
+            ]
+            argv += ["--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+            scheme, query = "rediss", f"?ssl_ca_certs={ca}"
+        else:
+            argv += ["--port", str(self.port)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._base = f"{scheme}://{{user}}127.0.0.1:{self.port}/0{query}"
+        self.url = self.url_for("worker") if acl else self._base.format(user="")
+        client = redis.Redis.from_url(self.url, password=self.passwords.get("worker"))
         wait_until(lambda: self._answers(client), 10, what=f"redis-server answers on port {self.port}")
+
+    def url_for(self, role: str) -> str:
+        """The URL of ``role`` (its password goes in ``$SPECDRAFT_REDIS_PASSWORD`` or ``password``)."""
+        return self._base.format(user=f"{role}@")
+
+    def password(self, role: str) -> str:
+        return self.passwords[role]
 
     @staticmethod
     def _answers(client: redis.Redis) -> bool:

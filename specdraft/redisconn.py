@@ -1,0 +1,71 @@
+"""Connecting to Redis, and the access each role gets there.
+
+URLs: ``redis://[USER[:PASSWORD]@]HOST:PORT/DB``, ``rediss://...`` for TLS (redis-py's query
+options such as ``?ssl_ca_certs=/path/ca.crt`` apply) or ``unix://``. A URL that names a user but
+no password takes it from ``$SPECDRAFT_REDIS_PASSWORD``, so that passwords stay out of command
+lines and logs (Kubernetes sets the variable from a Secret). Logs only ever show ``redacted``
+URLs.
+
+Roles (``ROLES``): one ACL user each, limited to the ``specdraft:*`` keys it needs and the commands
+it sends; ``acl_file`` renders them (passwords stored as SHA-256, never in clear), with the
+``default`` user off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+PASSWORD_ENV = "SPECDRAFT_REDIS_PASSWORD"
+SCHEMES = ("redis://", "rediss://", "unix://")
+
+_CONNECT = "+ping +select"  # redis-py's CLIENT SETINFO on connect may fail: it ignores that
+ROLES: dict[str, str] = {
+    # registry (publish, leave, discover), dense statistics and cached dense queries
+    "worker": f"~specdraft:* -@all {_CONNECT} +get +set +del +mget +scan +hgetall +hset +expire",
+    # each loaded version's dense statistics
+    "shard": f"~specdraft:datastore:* -@all {_CONNECT} +get +set",
+    # the statistics of a version it built
+    "build": f"~specdraft:datastore:* -@all {_CONNECT} +get +set",
+    # discovery of workers (clients, load generators): read only
+    "client": f"%R~specdraft:workers:* -@all {_CONNECT} +scan +mget +get",
+}
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password: ``redis://worker:***@host:6379/0``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def check_url(url: str, what: str) -> None:
+    if not url.startswith(SCHEMES):
+        raise ValueError(f"{what} URL {redacted(url)!r}: use redis://[USER@]HOST:PORT[/DB] or rediss://")
+
+
+def connect(url: str, timeout: float, **options: Any) -> Any:
+    """A ``redis.Redis`` for ``url`` (password from ``$SPECDRAFT_REDIS_PASSWORD`` when the URL
+    names none)."""
+    import redis
+
+    password = os.environ.get(PASSWORD_ENV) if urlsplit(url).password is None else None
+    kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **options}
+    if password:
+        kwargs["password"] = password
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def acl_file(passwords: Mapping[str, str]) -> str:
+    """An ACL file (``redis-server --aclfile``) with one user per role in ``passwords``."""
+    lines = ["user default off"]
+    for role, password in passwords.items():
+        digest = hashlib.sha256(password.encode()).hexdigest()
+        lines.append(f"user {role} on #{digest} resetchannels {ROLES[role]}")
+    return "\n".join(lines) + "\n"
