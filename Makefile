@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos clean
 
 setup: $(STAMP)
 
@@ -81,6 +81,12 @@ loadtest: setup
 	  -t $(LOAD_DURATION) --state-dir $(LOAD_STATE) --mode $(LOAD_MODE) --max-new-tokens $(LOAD_TOKENS) \
 	  --csv bench-out/loadtest --html bench-out/loadtest.html --only-summary; \
 	  status=$$?; $(VENV)/bin/specdraft down --state-dir $(LOAD_STATE); exit $$status
+
+# Fuzz every RPC of the worker and the shard: FUZZ_EXAMPLES generated and as many mutated
+# messages per RPC (1 500 x 2 x 8 RPCs = 24 000 requests); 0 UNKNOWN, 0 crashes, both healthy after.
+FUZZ_EXAMPLES ?= 1500
+fuzz: setup
+	SPECDRAFT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/test_fuzz.py
 
 calibrate: setup
 	$(VENV)/bin/specdraft calibrate-heads --ship
