@@ -88,6 +88,13 @@ FUZZ_EXAMPLES ?= 1500
 fuzz: setup
 	SPECDRAFT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/test_fuzz.py
 
+# Chaos under load: a fresh local stack (2 workers, 2 shards, redis) under locust while a shard is
+# killed, another stopped, redis killed, the datastore swapped and a worker terminated.
+CHAOS_STATE ?= bench-out/chaos
+chaos: setup test-deps
+	rm -rf $(CHAOS_STATE)
+	$(VENV)/bin/specdraft chaos --state-dir $(CHAOS_STATE) --json-out bench-out/chaos.json
+
 calibrate: setup
 	$(VENV)/bin/specdraft calibrate-heads --ship
 

@@ -80,6 +80,8 @@ class Process:
     metrics: str = ""
     admin: str = ""
     """A shard's admin address (DatastoreAdmin: LoadVersion, SwapVersion)."""
+    argv: list[str] = field(default_factory=list)
+    """The command line it was started with (``restart``)."""
 
 
 @dataclass
@@ -235,7 +237,7 @@ def _spawn(
             start_new_session=True,
             env={**os.environ, **env} if env else None,
         )
-    return Process(name, kind, popen.pid, address, str(log), _start_time(popen.pid))
+    return Process(name, kind, popen.pid, address, str(log), _start_time(popen.pid), argv=list(argv))
 
 
 def _tail(path: str, lines: int = 15) -> str:
@@ -433,6 +435,23 @@ def start_shards(cfg: StackConfig, state: StackState, state_dir: Path, logs: Pat
         shards.append(proc)
         write_state(state_dir, state)
     return shards
+
+
+def restart(state_dir: Path, proc: Process) -> Process:
+    """Start ``proc`` again with its command line (after it died or was killed), record the new
+    pid in the state file, and return it (not yet waited for)."""
+    if not proc.argv:
+        raise StackError(f"{proc.name}: its command line is not recorded; restart the stack")
+    if is_alive(proc):
+        raise StackError(f"{proc.name} (pid {proc.pid}) is still running")
+    role = {"datastore": "shard", "worker": "worker"}.get(proc.kind)
+    env = _redis_env(state_dir, role) if role else None
+    new = _spawn(proc.name, proc.kind, proc.argv, proc.address, Path(proc.log), env)
+    new.metrics, new.admin = proc.metrics, proc.admin
+    state = read_state(state_dir) or StackState()
+    state.processes = [new if p.name == proc.name else p for p in state.processes]
+    write_state(state_dir, state)
+    return new
 
 
 def _as_role(url: str, role: str) -> str:

@@ -18,7 +18,12 @@ local stack's state file (``specdraft up``). Examples::
     locust -f deploy/locustfile.py --headless -u 4 -r 1 -t 60s --csv bench-out/loadtest \\
         --html bench-out/loadtest.html --mode pld --max-new-tokens 64
 
-A call that fails with any gRPC status is a locust failure (the status name is the error).
+A user keeps a channel to every worker and starts at a random one; a call refused with
+UNAVAILABLE or RESOURCE_EXHAUSTED before its first token fails over to the next worker (as
+``client.grpc_client`` does). A call that fails on every worker, or with any other status, is a
+locust failure (the status name is the error). ``--record-outputs FILE`` appends each finished
+generation (prompt index, mode, token ids) as a JSON line, for ``specdraft chaos`` to compare
+with ``ar``.
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ from locust.env import Environment
 # gRPC's C core must cooperate with gevent (locust monkey-patches the standard library first).
 grpc_gevent.init_gevent()
 
-from client.grpc_client import CHANNEL_OPTIONS, RequestOptions, build_request  # noqa: E402
+from client.grpc_client import CHANNEL_OPTIONS, FAILOVER_CODES, RequestOptions, build_request  # noqa: E402
 from client.stack import default_state_dir, read_state  # noqa: E402
 from specdraft.common import atomic_write_text, percentile  # noqa: E402
+from specdraft.security import TOKEN_ENV, ClientSecurity, read_tokens  # noqa: E402
 from specdraft.stubs import generation_pb2_grpc  # noqa: E402
 
 _generations: list[dict[str, float]] = []
@@ -54,6 +60,11 @@ def _options(parser: Any) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompt-chars", type=int, default=2000, help="cut prompts to this many characters")
     parser.add_argument("--state-dir", default="", help="local stack to target when --host is not given")
+    parser.add_argument("--record-outputs", default="", help="append each generation's tokens here (JSONL)")
+    parser.add_argument("--tls-ca", default="", help="PEM CA of the workers' certificates (turns TLS on)")
+    parser.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", default="", help="PEM key of the client certificate")
+    parser.add_argument("--token-file", default="", help="bearer token to send (default: $SPECDRAFT_TOKEN)")
 
 
 def worker_addresses(host: str | None, state_dir: str = "") -> list[str]:
@@ -79,9 +90,12 @@ class GenerationUser(User):
     def on_start(self) -> None:
         opts = self.environment.parsed_options
         addresses = worker_addresses(self.host, getattr(opts, "state_dir", ""))
-        self.channel = grpc.insecure_channel(random.choice(addresses), options=CHANNEL_OPTIONS)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        start = random.randrange(len(addresses))
+        addresses = addresses[start:] + addresses[:start]
+        self.channels = [_security(opts).channel(a, CHANNEL_OPTIONS) for a in addresses]
+        self.stubs = [generation_pb2_grpc.GenerationStub(c) for c in self.channels]
         self.prompts = _prompts(getattr(opts, "prompt_chars", 2000))
+        self.record = getattr(opts, "record_outputs", "")
         self.options = RequestOptions(
             mode=getattr(opts, "mode", "pld"),
             max_new_tokens=getattr(opts, "max_new_tokens", 64),
@@ -89,10 +103,18 @@ class GenerationUser(User):
         )
 
     def on_stop(self) -> None:
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()
 
-    def _request(self) -> Any:
-        return build_request(chat=[("user", random.choice(self.prompts))], options=self.options)
+    def _request(self) -> tuple[int, Any]:
+        index = random.randrange(len(self.prompts))
+        return index, build_request(chat=[("user", self.prompts[index])], options=self.options)
+
+    def _recorded(self, index: int, token_ids: Any) -> None:
+        if self.record:
+            line = json.dumps({"prompt": index, "mode": self.options.mode, "token_ids": list(token_ids)})
+            with open(self.record, "a", encoding="utf-8") as out:
+                out.write(line + "\n")
 
     def _fire(self, name: str, started: float, length: int, exc: Exception | None) -> None:
         self.environment.events.request.fire(
@@ -107,32 +129,56 @@ class GenerationUser(User):
     @task(3)
     def stream(self) -> None:
         started = time.perf_counter()
+        index, request = self._request()
         tokens, first, final = 0, None, None
-        try:
-            for chunk in self.stub.GenerateStream(self._request(), timeout=300):
-                if first is None and chunk.token_ids:
-                    first = time.perf_counter()
-                    self._fire("GenerateStream TTFT", started, 0, None)
-                tokens += len(chunk.token_ids)
-                if chunk.HasField("final"):
-                    final = chunk.final
-        except grpc.RpcError as exc:
-            self._fire("GenerateStream", started, tokens, _failure(exc))
-            return
+        for i, stub in enumerate(self.stubs):
+            try:
+                for chunk in stub.GenerateStream(request, timeout=300):
+                    if first is None and chunk.token_ids:
+                        first = time.perf_counter()
+                        self._fire("GenerateStream TTFT", started, 0, None)
+                    tokens += len(chunk.token_ids)
+                    if chunk.HasField("final"):
+                        final = chunk.final
+                break
+            except grpc.RpcError as exc:
+                if first is None and exc.code() in FAILOVER_CODES and i + 1 < len(self.stubs):
+                    continue  # nothing streamed yet: the next worker
+                self._fire("GenerateStream", started, tokens, _failure(exc))
+                return
         self._fire("GenerateStream", started, tokens, None)
         seconds = time.perf_counter() - started
         _record(tokens, seconds, (first or time.perf_counter()) - started, final)
+        if final is not None:
+            self._recorded(index, final.token_ids)
 
     @task(1)
     def unary(self) -> None:
         started = time.perf_counter()
-        try:
-            resp = self.stub.Generate(self._request(), timeout=300)
-        except grpc.RpcError as exc:
-            self._fire("Generate", started, 0, _failure(exc))
-            return
+        index, request = self._request()
+        for i, stub in enumerate(self.stubs):
+            try:
+                resp = stub.Generate(request, timeout=300)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() in FAILOVER_CODES and i + 1 < len(self.stubs):
+                    continue
+                self._fire("Generate", started, 0, _failure(exc))
+                return
         self._fire("Generate", started, len(resp.token_ids), None)
         _record(len(resp.token_ids), time.perf_counter() - started, None, resp)
+        self._recorded(index, resp.token_ids)
+
+
+def _security(opts: Any) -> ClientSecurity:
+    """TLS, client certificate and token from the command line (``specdraft.security``)."""
+    tokens = read_tokens(getattr(opts, "token_file", "") or None, TOKEN_ENV)
+    return ClientSecurity(
+        ca=getattr(opts, "tls_ca", "") or None,
+        cert=getattr(opts, "tls_cert", "") or None,
+        key=getattr(opts, "tls_key", "") or None,
+        token=tokens[0] if tokens else None,
+    )
 
 
 def _failure(exc: grpc.RpcError) -> Exception:

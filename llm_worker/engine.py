@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from llm_worker.config import EngineConfig, SamplingParams
-from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, parse_mode
+from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.results import GenerationResult, Provenance
@@ -207,8 +207,7 @@ class Engine:
         """The drafter and planners of ``mode``, kept for the ``MAX_MODE_RUNTIMES`` modes used
         last (a request keeps its own even if it is dropped meanwhile): clients choose the mode
         strings, so the cache must not grow with every variant they send."""
-        name, options = parse_mode(mode)  # may raise UnknownModeError
-        key = ":".join([name, *(f"{k}={v}" for k, v in sorted(options.items()))])
+        key = canonical_mode(mode)  # may raise UnknownModeError
         with self._lock:
             rt = self._modes.get(key)
             if rt is not None:

@@ -150,7 +150,10 @@ def test_mode_runtimes_are_bounded_and_shared_by_spellings_of_one_mode() -> None
     engine = engine_for(tiny_target("llama"))
     first = engine.runtime("pld:min_n=1:max_n=3")
     assert engine.runtime(" pld : max_n=3 : min_n=1 ") is first  # the same options, another order
+    for i in range(3 * MAX_MODE_RUNTIMES):  # one mode spelled many ways: one runtime
+        assert engine.runtime(f"pld:max_n={'0' * i}3:min_n=01") is first
+    assert engine.cached_modes == 1
     for i in range(3 * MAX_MODE_RUNTIMES):  # a client sending a new variant each time
-        engine.runtime(f"pld:max_n={'0' * i}3")
+        engine.runtime(f"pld+h:layer=1:theta={i / 1000}")
     assert engine.cached_modes == MAX_MODE_RUNTIMES
     assert engine.runtime("pld:max_n=3:min_n=1") is not first  # dropped long ago: made again

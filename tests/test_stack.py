@@ -226,3 +226,37 @@ def test_the_stack_redis_is_locked_down(stack: tuple[Path, StackState]) -> None:
         with pytest.raises(redis.exceptions.NoPermissionError):
             dangerous()
     assert shard.set("specdraft:datastore:probe", b"x") and worker.get("specdraft:datastore:probe") == b"x"
+
+
+@pytest.mark.slow
+def test_chaos_under_load_loses_nothing(tiny_dir: Path, tmp_path: Path) -> None:
+    """The chaos run, quick and on the tiny model: a shard killed and restarted, another stopped,
+    redis killed and restarted, the datastore swapped, a worker terminated — under locust load.
+    No request fails, every output equals ar's, health stays answered."""
+    from client.chaos import ChaosConfig, run_chaos
+
+    cfg = ChaosConfig(
+        state_dir=tmp_path / "chaos",
+        model=str(tiny_dir),
+        users=2,
+        max_new_tokens=16,
+        corpus_chars=60_000,
+        step_seconds=4.0,
+        stop_seconds=4.0,
+        worker_args=("--threads", "1", "--no-warm"),
+    )
+    report = run_chaos(cfg)
+    events = " | ".join(e["event"] for e in report["events"])
+    for expected in (
+        "SIGKILL shard-0",
+        "SIGSTOP shard-1",
+        "SIGCONT",
+        "SIGKILL redis",
+        "swapped",
+        "SIGTERM worker-1",
+    ):
+        assert expected in events, events
+    assert report["load"]["requests"] > 0 and report["load"]["failed"] == 0, report
+    assert report["outputs"]["compared"] > 0 and report["outputs"]["differ"] == 0, report
+    assert report["health"]["worker"]["checks"] > 10, report
+    assert _processes_mentioning(str(tmp_path)) == []  # everything stopped

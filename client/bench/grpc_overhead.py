@@ -20,6 +20,7 @@ from typing import Any
 
 from client.bench.timing import latency_ms
 from client.grpc_client import GenerationClient, RequestOptions, build_request
+from specdraft.security import ClientSecurity
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,18 @@ def summary(values: Sequence[float]) -> dict[str, float]:
 
 
 def measure_overhead(
-    addresses: Sequence[str], calls: int, max_new_tokens: int, prompt: str, mode: str = "ar", warmup: int = 2
+    addresses: Sequence[str],
+    calls: int,
+    max_new_tokens: int,
+    prompt: str,
+    mode: str = "ar",
+    warmup: int = 2,
+    security: ClientSecurity | None = None,
 ) -> OverheadReport:
     options = RequestOptions(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=True)
     request = build_request(text=prompt, options=options)
     unary, stream, engine = [], [], []
-    with GenerationClient(addresses, timeout=600) as client:
+    with GenerationClient(addresses, timeout=600, security=security) as client:
         for i in range(warmup + calls):
             started = time.perf_counter()
             resp = client.generate(request)

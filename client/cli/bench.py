@@ -11,9 +11,11 @@ from typing import Any
 
 from client.cli.common import (
     CliError,
+    add_client_security_args,
     add_datastore_args,
     add_model_args,
     addresses,
+    client_security,
     engine_from_args,
     positive_int,
     print_json,
@@ -51,6 +53,7 @@ def add_bench(sub: Any) -> None:
     bg.add_argument("--max-new-tokens", type=positive_int, default=32)
     bg.add_argument("--mode", default="ar")
     bg.add_argument("--json-out", help="write the report as JSON here")
+    add_client_security_args(bg)
     bg.set_defaults(func=cmd_bench_grpc)
 
     c = sub.add_parser("calibrate-heads", help="find the model's induction heads for pld+a")
@@ -116,7 +119,12 @@ def cmd_bench_grpc(args: argparse.Namespace) -> int:
 
     if args.server:
         report = measure_overhead(
-            list(addresses(args.server)), args.calls, args.max_new_tokens, PROMPT, args.mode
+            list(addresses(args.server)),
+            args.calls,
+            args.max_new_tokens,
+            PROMPT,
+            args.mode,
+            security=client_security(args),
         )
     else:
         try:

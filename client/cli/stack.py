@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from client.cli.common import CliError, add_model_args, positive_int, worker_model_args
+from client.cli.common import CliError, add_model_args, positive_int, print_json, worker_model_args
 
 
 def add_stack(sub: Any) -> None:
@@ -39,6 +39,23 @@ def add_stack(sub: Any) -> None:
     st.add_argument("--state-dir", help="as given to up")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    c = sub.add_parser(
+        "chaos",
+        help="load a fresh local stack with locust while shards, redis and a worker fail; report failures, "
+        "outputs that differ from ar and health latency",
+    )
+    c.add_argument(
+        "--model", default=None, help="the workers' model directory (default: SmolLM2-135M-Instruct)"
+    )
+    c.add_argument("--state-dir", required=True, help="a directory for the stack, versions, logs and report")
+    c.add_argument("--users", type=positive_int, default=4, help="locust users")
+    c.add_argument("--mode", default="rest")
+    c.add_argument("--max-new-tokens", type=positive_int, default=32)
+    c.add_argument("--step-seconds", type=float, default=10.0, help="time between two failures")
+    c.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
+    c.add_argument("--json-out", help="write the report here too")
+    c.set_defaults(func=cmd_chaos)
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
@@ -113,3 +130,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         state = row["health"] or ("running" if row["alive"] else "DEAD")
         sys.stdout.write(f"{row['name']:10s} {row['address']:22s} pid {row['pid']:<8d} {state}\n")
     return 0 if all(r["alive"] for r in rows) else 1
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from client.chaos import ChaosConfig, run_chaos
+    from client.stack import StackError
+
+    cfg = ChaosConfig(
+        state_dir=Path(args.state_dir),
+        model=args.model,
+        users=args.users,
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        step_seconds=args.step_seconds,
+        worker_args=("--threads", str(args.threads)),
+    )
+    try:
+        report = run_chaos(cfg, say=lambda msg: sys.stderr.write(msg + "\n"))
+    except StackError as exc:
+        raise CliError(str(exc)) from exc
+    print_json(report, args.json_out, indent=1)
+    ok = report["load"]["failed"] == 0 and report["outputs"]["differ"] == 0
+    return 0 if ok else 1

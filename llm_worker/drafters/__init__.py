@@ -9,6 +9,7 @@ from llm_worker.drafters.base import (
     ModeUnavailableError,
     RequestState,
     UnknownModeError,
+    canonical_mode,
     parse_mode,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "ModeUnavailableError",
     "RequestState",
     "UnknownModeError",
+    "canonical_mode",
     "parse_mode",
 ]

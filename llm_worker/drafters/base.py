@@ -138,6 +138,23 @@ def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
     return name.strip(), options
 
 
+def _normal(value: str) -> str:
+    """``"01"`` → ``"1"``, ``"0.50"`` → ``"0.5"``; anything else as it is."""
+    for kind in (int, float):
+        try:
+            return str(kind(value))
+        except ValueError:
+            continue
+    return value
+
+
+def canonical_mode(mode: str) -> str:
+    """One spelling per mode: options sorted, numbers normalised.
+    ``"pld:max_n=03:min_n=1"`` → ``"pld:max_n=3:min_n=1"``."""
+    name, options = parse_mode(mode)
+    return ":".join([name, *(f"{k}={_normal(v)}" for k, v in sorted(options.items()))])
+
+
 class DrafterRegistry:
     def __init__(self) -> None:
         self._specs: dict[str, DrafterSpec] = {}

@@ -1,0 +1,272 @@
+"""A chaos run (``specdraft chaos``, ``make chaos``): the local stack — Redis, two workers, two
+datastore shards — under locust load while its parts fail, one after another:
+
+1. ``kill -9`` shard 0, then start it again;
+2. ``SIGSTOP`` shard 1 for ``stop_seconds`` (a black hole: connections open, no answers), then
+   ``SIGCONT``;
+3. ``kill -9`` Redis, then start it again (the registry comes back with the workers' heartbeats);
+4. swap the datastore version on every shard (``swap_all`` on the admin ports);
+5. ``SIGTERM`` one of the two workers (it drains; clients fail over to the other).
+
+Reported: requests locust sent and how many failed, every finished generation compared with what
+``ar`` answers to the same prompt (the goal: 0 failed, 0 different), and the p50 / p99 of health
+checks sent to every live worker and shard during the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from client.stack import (
+    Process,
+    StackConfig,
+    StackError,
+    admin_token_file,
+    down,
+    is_alive,
+    read_state,
+    restart,
+    up,
+    wait_serving,
+)
+from specdraft.common import percentile
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    state_dir: Path
+    """Where the stack, its versions, logs and the locust report go."""
+    model: str | None = None
+    """The workers' model directory (None = the default model)."""
+    users: int = 4
+    """Locust users (each one generation at a time)."""
+    mode: str = "rest"
+    max_new_tokens: int = 32
+    corpus_chars: int = 300_000
+    """Local text (``datastore local-corpus``) the two datastore versions hold."""
+    step_seconds: float = 10.0
+    """Time between two failures (and before the first)."""
+    stop_seconds: float = 10.0
+    """How long shard 1 stays stopped."""
+    worker_args: tuple[str, ...] = ()
+    """Extra ``serve worker`` arguments."""
+
+
+@dataclass
+class ChaosLog:
+    t0: float = field(default_factory=time.monotonic)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    down: set[str] = field(default_factory=set)
+    """Processes that are killed or stopped now (health is not measured on them)."""
+
+    def event(self, what: str) -> None:
+        self.events.append({"seconds": round(time.monotonic() - self.t0, 2), "event": what})
+
+
+def _versions(cfg: ChaosConfig, say: Callable[[str], None]) -> Path:
+    """Two datastore versions (v1, v2) of local text, 2 shards each, under ``state_dir/versions``."""
+    from client.bench.datastore import local_corpus
+    from datastore_svc.store import build
+    from llm_worker.assembly import load_tokenizer
+
+    root = cfg.state_dir / "versions"
+    corpus = cfg.state_dir / "corpus.jsonl"
+    if not corpus.exists():
+        local_corpus(corpus, cfg.corpus_chars)
+    tokenizer, _ = load_tokenizer(cfg.model)
+    for name in ("v1", "v2"):
+        if not (root / name).exists():
+            say(f"building datastore version {name}")
+            build(corpus, tokenizer, root / name, shards=2, progress=False)
+    return root
+
+
+def _prober(state_dir: Path, log: ChaosLog, stop: threading.Event, seconds: dict[str, list[float]]) -> None:
+    """Every 100 ms, one health check to each live worker and shard; latencies by kind."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channels: dict[str, Any] = {}
+    while not stop.is_set():
+        state = read_state(state_dir)
+        for proc in state.processes if state else []:
+            if proc.kind not in ("worker", "datastore") or proc.name in log.down:
+                continue
+            channel = channels.setdefault(proc.address, grpc.insecure_channel(proc.address))
+            t = time.perf_counter()
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                seconds.setdefault(proc.kind, []).append(time.perf_counter() - t)
+            except grpc.RpcError:
+                seconds.setdefault(f"{proc.kind} failed", []).append(time.perf_counter() - t)
+        stop.wait(0.1)
+    for channel in channels.values():
+        channel.close()
+
+
+def _locust(cfg: ChaosConfig, seconds: float, outputs: Path, prefix: Path) -> subprocess.Popen[bytes]:
+    locustfile = Path(__file__).resolve().parent.parent / "deploy" / "locustfile.py"
+    argv = [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless", "-u", str(cfg.users)]
+    argv += ["-r", str(cfg.users), "-t", f"{int(seconds)}s", "--state-dir", str(cfg.state_dir)]
+    argv += ["--mode", cfg.mode, "--max-new-tokens", str(cfg.max_new_tokens), "--only-summary"]
+    argv += ["--record-outputs", str(outputs), "--csv", str(prefix), "--stop-timeout", "120"]
+    log = open(cfg.state_dir / "logs" / "locust.log", "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _locust_totals(prefix: Path) -> dict[str, int]:
+    """Requests and failures of the run (locust's Aggregated row; TTFT entries left out)."""
+    sent = failed = 0
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["Name"] in ("GenerateStream", "Generate"):
+                sent += int(row["Request Count"])
+                failed += int(row["Failure Count"])
+    return {"requests": sent, "failed": failed}
+
+
+def _compare_with_ar(cfg: ChaosConfig, outputs: Path, address: str) -> dict[str, int]:
+    """Every recorded generation against ``ar``'s answer to its prompt (asked after the run)."""
+    from client.bench.suite import builtin_suite
+    from client.grpc_client import GenerationClient, RequestOptions, build_request
+
+    prompts = [q.turns[0][:2000] for q in builtin_suite()]  # as deploy/locustfile.py sends them
+    rows = [json.loads(line) for line in outputs.read_text().splitlines()] if outputs.exists() else []
+    reference: dict[int, list[int]] = {}
+    options = RequestOptions(mode="ar", max_new_tokens=cfg.max_new_tokens)
+    with GenerationClient([address], timeout=600) as client:
+        for index in sorted({r["prompt"] for r in rows}):
+            reply = client.generate(build_request(chat=[("user", prompts[index])], options=options))
+            reference[index] = list(reply.token_ids)
+    differ = sum(r["token_ids"] != reference[r["prompt"]] for r in rows)
+    return {"compared": len(rows), "prompts": len(reference), "differ": differ}
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"checks": 0}
+    ms = [v * 1000.0 for v in values]
+    return {
+        "checks": len(ms),
+        "p50_ms": round(percentile(ms, 0.5), 2),
+        "p99_ms": round(percentile(ms, 0.99), 2),
+    }
+
+
+def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+    """Start the stack, load it, break it step by step, stop it; the report."""
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    root = _versions(cfg, say)
+    worker_args = (*(("--model", cfg.model) if cfg.model else ()), "--grace-seconds", "15", *cfg.worker_args)
+    stack = StackConfig(
+        workers=2,
+        worker_port=0,
+        metrics_port=None,
+        redis_port=0,
+        worker_args=worker_args,
+        datastore=str(root / "v1"),
+        datastore_port=0,
+        grace_seconds=15.0,
+    )
+    say("starting the stack (2 workers, 2 shards, redis)")
+    state = up(stack, cfg.state_dir, say)
+    outputs, prefix = cfg.state_dir / "outputs.jsonl", cfg.state_dir / "locust"
+    outputs.unlink(missing_ok=True)
+    log, stop = ChaosLog(), threading.Event()
+    health: dict[str, list[float]] = {}
+    prober = threading.Thread(target=_prober, args=(cfg.state_dir, log, stop, health), daemon=True)
+    step = cfg.step_seconds
+    load_seconds = 6 * step + cfg.stop_seconds
+    try:
+        prober.start()
+        locust = _locust(cfg, load_seconds, outputs, prefix)
+        log.event(f"locust: {cfg.users} users, mode {cfg.mode}, {load_seconds:.0f} s")
+        _schedule(cfg, state, log)
+        code = locust.wait(load_seconds + 300)
+        log.event(f"locust exited ({code})")
+        stop.set()
+        prober.join(10)
+        survivor = next(p for p in (read_state(cfg.state_dir) or state).workers() if is_alive(p))
+        say("comparing every generation with ar")
+        outputs_check = _compare_with_ar(cfg, outputs, survivor.address)
+    finally:
+        stop.set()
+        down(cfg.state_dir, grace_seconds=10.0)
+    return {
+        "load": _locust_totals(prefix),
+        "outputs": outputs_check,
+        "health": {kind: _summary(values) for kind, values in sorted(health.items())},
+        "events": log.events,
+        "config": {
+            "users": cfg.users,
+            "mode": cfg.mode,
+            "max_new_tokens": cfg.max_new_tokens,
+            "model": cfg.model or "default",
+        },
+    }
+
+
+def _schedule(cfg: ChaosConfig, state: Any, log: ChaosLog) -> None:
+    """The failures, ``step_seconds`` apart."""
+    from datastore_svc.fanout import swap_all
+    from specdraft.security import ClientSecurity
+
+    state_dir = cfg.state_dir
+    shards = state.shards()
+    redis_proc = next(p for p in state.processes if p.kind == "redis")
+    workers = state.workers()
+
+    def at(offset: float) -> None:
+        time.sleep(max(0.0, log.t0 + offset - time.monotonic()))
+
+    step = cfg.step_seconds
+    at(step)
+    _signal(shards[0], signal.SIGKILL, log)
+    time.sleep(1.0)
+    shards[0] = restart(state_dir, shards[0])
+    wait_serving([shards[0]], 300)
+    log.down.discard(shards[0].name)
+    log.event(f"{shards[0].name} restarted and SERVING")
+
+    at(2 * step)
+    _signal(shards[1], signal.SIGSTOP, log)
+    time.sleep(cfg.stop_seconds)
+    os.kill(shards[1].pid, signal.SIGCONT)
+    log.down.discard(shards[1].name)
+    log.event(f"SIGCONT {shards[1].name}")
+
+    at(3 * step + cfg.stop_seconds)
+    _signal(redis_proc, signal.SIGKILL, log)
+    time.sleep(1.0)
+    restart(state_dir, redis_proc)
+    log.event("redis restarted")
+
+    at(4 * step + cfg.stop_seconds)
+    token = admin_token_file(state_dir).read_text().strip()
+    swapped = swap_all(state.admin_addresses(), "v2", ClientSecurity(token=token))
+    log.event(f"datastore swapped: {swapped}")
+
+    at(5 * step + cfg.stop_seconds)
+    _signal(workers[1], signal.SIGTERM, log)
+
+
+def _signal(proc: Process, sig: signal.Signals, log: ChaosLog) -> None:
+    if not is_alive(proc):
+        raise StackError(f"{proc.name} is not running")
+    os.kill(proc.pid, sig)
+    log.down.add(proc.name)
+    log.event(f"{sig.name} {proc.name} (pid {proc.pid})")
+
+
+__all__ = ["ChaosConfig", "run_chaos"]
