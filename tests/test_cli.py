@@ -199,3 +199,11 @@ def test_pld_a_refuses_a_head_file_of_another_model(
     assert code == 2 and "calibrated for another model" in err
     code, _, err = run(capsys, "generate", "--model", str(tiny_dir), "--mode", f"pld+a:file={heads}", "hi")
     assert code == 2 and "not ['file']" in err  # a request never names a file
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(b"\xff\x00 not json")
+    for bad in (garbage, Path("/dev/zero")):
+        code, _, err = run(
+            capsys, "generate", "--model", str(tiny_dir), "--heads-file", str(bad), "--mode", "pld+a", "hi"
+        )
+        assert code == 2 and ("not valid" in err or "not a file" in err), err
+        assert "Traceback" not in err and "errno" not in err.lower()
