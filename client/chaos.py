@@ -128,6 +128,8 @@ def _locust(cfg: ChaosConfig, seconds: float, outputs: Path, prefix: Path) -> su
 def _locust_totals(prefix: Path) -> dict[str, int]:
     """Requests and failures of the run (locust's Aggregated row; TTFT entries left out)."""
     sent = failed = 0
+    if not Path(f"{prefix}_stats.csv").exists():
+        return {"requests": 0, "failed": 0}
     with open(f"{prefix}_stats.csv", newline="") as f:
         for row in csv.DictReader(f):
             if row["Name"] in ("GenerateStream", "Generate"):
@@ -203,8 +205,11 @@ def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -
     finally:
         stop.set()
         down(cfg.state_dir, grace_seconds=10.0)
+    load = _locust_totals(prefix)
+    if load["requests"] == 0:
+        raise StackError(f"locust sent nothing; see {cfg.state_dir / 'logs' / 'locust.log'}")
     return {
-        "load": _locust_totals(prefix),
+        "load": load,
         "outputs": outputs_check,
         "health": {kind: _summary(values) for kind, values in sorted(health.items())},
         "events": log.events,

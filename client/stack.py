@@ -349,7 +349,7 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                 _private_write(acl, acl_file(passwords))
                 argv = [redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
                 argv += ["--appendonly", "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
-                argv += ["--dir", str(state_dir), "--protected-mode", "yes", "--aclfile", str(acl)]
+                argv += ["--dir", str(state_dir), "--protected-mode", "yes", "--aclfile", str(acl.resolve())]
                 proc = _spawn("redis", "redis", argv, f"127.0.0.1:{port}", logs / "redis.log")
                 state.processes.append(proc)
                 write_state(state_dir, state)

@@ -61,10 +61,15 @@ def _options(parser: Any) -> None:
     parser.add_argument("--prompt-chars", type=int, default=2000, help="cut prompts to this many characters")
     parser.add_argument("--state-dir", default="", help="local stack to target when --host is not given")
     parser.add_argument("--record-outputs", default="", help="append each generation's tokens here (JSONL)")
-    parser.add_argument("--tls-ca", default="", help="PEM CA of the workers' certificates (turns TLS on)")
-    parser.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS)")
-    parser.add_argument("--tls-key", default="", help="PEM key of the client certificate")
-    parser.add_argument("--token-file", default="", help="bearer token to send (default: $SPECDRAFT_TOKEN)")
+    # grpc- prefix: locust's own --tls-cert / --tls-key are for its web UI
+    parser.add_argument(
+        "--grpc-tls-ca", default="", help="PEM CA of the workers' certificates (turns TLS on)"
+    )
+    parser.add_argument("--grpc-tls-cert", default="", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--grpc-tls-key", default="", help="PEM key of the client certificate")
+    parser.add_argument(
+        "--grpc-token-file", default="", help="bearer token to send (default: $SPECDRAFT_TOKEN)"
+    )
 
 
 def worker_addresses(host: str | None, state_dir: str = "") -> list[str]:
@@ -172,11 +177,11 @@ class GenerationUser(User):
 
 def _security(opts: Any) -> ClientSecurity:
     """TLS, client certificate and token from the command line (``specdraft.security``)."""
-    tokens = read_tokens(getattr(opts, "token_file", "") or None, TOKEN_ENV)
+    tokens = read_tokens(getattr(opts, "grpc_token_file", "") or None, TOKEN_ENV)
     return ClientSecurity(
-        ca=getattr(opts, "tls_ca", "") or None,
-        cert=getattr(opts, "tls_cert", "") or None,
-        key=getattr(opts, "tls_key", "") or None,
+        ca=getattr(opts, "grpc_tls_ca", "") or None,
+        cert=getattr(opts, "grpc_tls_cert", "") or None,
+        key=getattr(opts, "grpc_tls_key", "") or None,
         token=tokens[0] if tokens else None,
     )
 
