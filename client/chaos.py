@@ -138,21 +138,26 @@ def _locust_totals(prefix: Path) -> dict[str, int]:
     return {"requests": sent, "failed": failed}
 
 
-def _compare_with_ar(cfg: ChaosConfig, outputs: Path, address: str) -> dict[str, int]:
-    """Every recorded generation against ``ar``'s answer to its prompt (asked after the run)."""
-    from client.bench.suite import builtin_suite
+def _compare_with_ar(cfg: ChaosConfig, outputs: Path, address: str) -> dict[str, Any]:
+    """Every recorded generation against ``ar``'s answer to the same prompt text (asked after
+    the run, on a worker that lived through it)."""
     from client.grpc_client import GenerationClient, RequestOptions, build_request
 
-    prompts = [q.turns[0][:2000] for q in builtin_suite()]  # as deploy/locustfile.py sends them
     rows = [json.loads(line) for line in outputs.read_text().splitlines()] if outputs.exists() else []
-    reference: dict[int, list[int]] = {}
+    reference: dict[str, list[int]] = {}
     options = RequestOptions(mode="ar", max_new_tokens=cfg.max_new_tokens)
     with GenerationClient([address], timeout=600) as client:
-        for index in sorted({r["prompt"] for r in rows}):
-            reply = client.generate(build_request(chat=[("user", prompts[index])], options=options))
-            reference[index] = list(reply.token_ids)
-    differ = sum(r["token_ids"] != reference[r["prompt"]] for r in rows)
-    return {"compared": len(rows), "prompts": len(reference), "differ": differ}
+        for text in sorted({r["text"] for r in rows}):
+            reply = client.generate(build_request(chat=[("user", text)], options=options))
+            reference[text] = list(reply.token_ids)
+    differ = [r.get("worker", "?") for r in rows if r["token_ids"] != reference[r["text"]]]
+    by_worker = {w: differ.count(w) for w in sorted(set(differ))}
+    return {
+        "compared": len(rows),
+        "prompts": len(reference),
+        "differ": len(differ),
+        "differ_by_worker": by_worker,
+    }
 
 
 def _summary(values: list[float]) -> dict[str, float]:

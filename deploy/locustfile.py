@@ -22,8 +22,10 @@ A user keeps a channel to every worker and starts at a random one; a call refuse
 UNAVAILABLE or RESOURCE_EXHAUSTED before its first token fails over to the next worker (as
 ``client.grpc_client`` does). A call that fails on every worker, or with any other status, is a
 locust failure (the status name is the error). ``--record-outputs FILE`` appends each finished
-generation (prompt index, mode, token ids) as a JSON line, for ``specdraft chaos`` to compare
-with ``ar``.
+generation (prompt index and text, mode, worker, token ids) as a JSON line, for ``specdraft
+chaos`` to compare with ``ar``. (The text is recorded because the suite quotes standard-library
+documentation, which gevent's monkey-patching changes here: the prompts differ from another
+process's.)
 """
 
 from __future__ import annotations
@@ -115,9 +117,15 @@ class GenerationUser(User):
         index = random.randrange(len(self.prompts))
         return index, build_request(chat=[("user", self.prompts[index])], options=self.options)
 
-    def _recorded(self, index: int, token_ids: Any) -> None:
+    def _recorded(self, index: int, reply: Any) -> None:
         if self.record:
-            line = json.dumps({"prompt": index, "mode": self.options.mode, "token_ids": list(token_ids)})
+            row = {
+                "prompt": index,
+                "text": self.prompts[index],
+                "mode": self.options.mode,
+                "worker": reply.worker_id,
+            }
+            line = json.dumps({**row, "token_ids": list(reply.token_ids)})
             with open(self.record, "a", encoding="utf-8") as out:
                 out.write(line + "\n")
 
@@ -155,7 +163,7 @@ class GenerationUser(User):
         seconds = time.perf_counter() - started
         _record(tokens, seconds, (first or time.perf_counter()) - started, final)
         if final is not None:
-            self._recorded(index, final.token_ids)
+            self._recorded(index, final)
 
     @task(1)
     def unary(self) -> None:
@@ -172,7 +180,7 @@ class GenerationUser(User):
                 return
         self._fire("Generate", started, len(resp.token_ids), None)
         _record(len(resp.token_ids), time.perf_counter() - started, None, resp)
-        self._recorded(index, resp.token_ids)
+        self._recorded(index, resp)
 
 
 def _security(opts: Any) -> ClientSecurity:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdraft.common import atomic_write_text, cache_root
+from specdraft.common import atomic_write_text, cache_root, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -295,17 +295,25 @@ def load_or_measure_kernels(
     dtype: torch.dtype,
     use_cache: bool = True,
 ) -> KernelReport:
+    """The cached choice, else a measured one (then cached). Processes sharing the cache take
+    turns (a lock file beside it): workers started together on one machine measure once and all
+    use that choice, so they compute the same logits (another kernel sums in another order)."""
     path = cache_path(fingerprint, str(dtype).removeprefix("torch."), str(device))
-    if use_cache and path.is_file():
-        try:
-            report = KernelReport.from_json(json.loads(path.read_text()))
-            report.measured = False
-            return report
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("ignoring unreadable kernel choice %s: %s", path, exc)
-    log.info("choosing GEMM kernels: checking batch invariance and timing (once per model, dtype, device)")
-    with torch.inference_mode():
-        report = measure_kernels(weights, device, dtype)
-    if use_cache:
+    if not use_cache:
+        with torch.inference_mode():
+            return measure_kernels(weights, device, dtype)
+    with file_lock(path.with_name(path.name + ".lock")):
+        if path.is_file():
+            try:
+                report = KernelReport.from_json(json.loads(path.read_text()))
+                report.measured = False
+                return report
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("ignoring unreadable kernel choice %s: %s", path, exc)
+        log.info(
+            "choosing GEMM kernels: checking batch invariance and timing (once per model, dtype, device)"
+        )
+        with torch.inference_mode():
+            report = measure_kernels(weights, device, dtype)
         atomic_write_text(path, json.dumps(report.to_json()))
-    return report
+        return report
