@@ -145,8 +145,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         step_seconds=args.step_seconds,
         worker_args=("--threads", str(args.threads)),
     )
+
+    def say(msg: str) -> None:
+        sys.stderr.write(msg + "\n")
+
     try:
-        report = run_chaos(cfg, say=lambda msg: sys.stderr.write(msg + "\n"))
+        report = run_chaos(cfg, say=say)
     except StackError as exc:
         raise CliError(str(exc)) from exc
     print_json(report, args.json_out, indent=1)
