@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdraft.common import atomic_write_text, temp_sibling
+from specdraft.common import atomic_write_text
 
 STATE_FILE = "stack.json"
 
@@ -116,15 +116,6 @@ REDIS_SECRETS_FILE = "redis-passwords.json"
 their hashes."""
 
 
-def _private_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically, readable by its owner only."""
-    tmp = temp_sibling(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.replace(tmp, path)
-
-
 def redis_passwords(state_dir: Path) -> dict[str, str]:
     """The stack's Redis passwords by role, made (random) if missing."""
     import secrets
@@ -136,7 +127,7 @@ def redis_passwords(state_dir: Path) -> dict[str, str]:
         return dict(json.loads(path.read_text()))
     state_dir.mkdir(parents=True, exist_ok=True)
     passwords = {role: secrets.token_urlsafe(24) for role in ROLES}
-    _private_write(path, json.dumps(passwords) + "\n")
+    atomic_write_text(path, json.dumps(passwords) + "\n", mode=0o600)
     return passwords
 
 
@@ -157,7 +148,7 @@ def admin_token_file(state_dir: Path) -> Path:
         import secrets
 
         state_dir.mkdir(parents=True, exist_ok=True)
-        _private_write(path, secrets.token_urlsafe(32) + "\n")
+        atomic_write_text(path, secrets.token_urlsafe(32) + "\n", mode=0o600)
     return path
 
 
@@ -346,7 +337,7 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
 
                 passwords = redis_passwords(state_dir)
                 acl = state_dir / "redis-users.acl"
-                _private_write(acl, acl_file(passwords))
+                atomic_write_text(acl, acl_file(passwords), mode=0o600)
                 argv = [redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
                 argv += ["--appendonly", "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
                 argv += ["--dir", str(state_dir), "--protected-mode", "yes", "--aclfile", str(acl.resolve())]

@@ -195,7 +195,17 @@ class Expired(Exception):
     """The request's deadline passed before its retrieval started."""
 
 
-class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
+class _Counted:
+    """A servicer whose ended calls are counted by method and status."""
+
+    metrics: ShardMetrics
+
+    async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.requests.labels(method, code.name).inc()
+        await context.abort(code, message)
+
+
+class DatastoreServicer(_Counted, datastore_pb2_grpc.DatastoreServicer):
     def __init__(self, state: ShardState, cfg: ShardServerConfig, metrics: ShardMetrics) -> None:
         self.state = state
         self.cfg = cfg
@@ -335,12 +345,8 @@ class DatastoreServicer(datastore_pb2_grpc.DatastoreServicer):
                 info.dense.stats = stats.to_bytes()
         return info
 
-    async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
-        self.metrics.requests.labels(method, code.name).inc()
-        await context.abort(code, message)
 
-
-class AdminServicer(datastore_pb2_grpc.DatastoreAdminServicer):
+class AdminServicer(_Counted, datastore_pb2_grpc.DatastoreAdminServicer):
     """Load and swap versions; the guard lets only the admin identity call these."""
 
     def __init__(self, state: ShardState, cfg: ShardServerConfig, metrics: ShardMetrics) -> None:
@@ -390,10 +396,6 @@ class AdminServicer(datastore_pb2_grpc.DatastoreAdminServicer):
             and self.stats_cache.publish(store.version, stats)
         ):
             log.info("published the dense statistics of %s to redis", store.version)
-
-    async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
-        self.metrics.requests.labels(method, code.name).inc()
-        await context.abort(code, message)
 
 
 def _health_and_reflection(server: grpc.aio.Server, services: tuple[str, ...]) -> health_aio.HealthServicer:

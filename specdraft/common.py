@@ -53,10 +53,16 @@ def file_lock(path: str | Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically (``atomic_path``)."""
+def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (``atomic_path``); with ``mode`` (e.g.
+    ``0o600`` for secrets) the file has those permissions from its creation on."""
     with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        if mode is None:
+            tmp.write_text(text, encoding="utf-8")
+            return
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

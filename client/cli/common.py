@@ -187,6 +187,12 @@ def add_server_security_args(p: argparse.ArgumentParser, admin: bool = False) ->
         action="store_true",
         help="allow plaintext without a token on a non-loopback address (logged as a warning)",
     )
+    g.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="plaintext port serving only health (for TLS-less probes)",
+    )
     if admin:
         g.add_argument(
             "--admin-token-file",
@@ -225,7 +231,7 @@ def server_security(args: argparse.Namespace) -> Any:
 def add_client_security_args(p: argparse.ArgumentParser, admin: bool = False, prefix: str = "") -> None:
     """TLS, client certificate and token of a client (``specdraft.security.ClientSecurity``);
     ``prefix`` (e.g. ``datastore-``) names the options of a second kind of server."""
-    from specdraft.security import ADMIN_TOKEN_ENV, TOKEN_ENV
+    from specdraft.security import ADMIN_TOKEN_ENV
 
     g = p.add_argument_group(f"{prefix}client transport security (README, Security)")
     g.add_argument(f"--{prefix}tls", action="store_true", help="use TLS (implied by the next three)")
@@ -238,12 +244,21 @@ def add_client_security_args(p: argparse.ArgumentParser, admin: bool = False, pr
             f"--{prefix}admin-token-file", help=f"the admin token to send (default: ${ADMIN_TOKEN_ENV})"
         )
     else:
-        env = TOKEN_ENV if not prefix else f"SPECDRAFT_{prefix.strip('-').upper()}_TOKEN"
-        g.add_argument(f"--{prefix}token-file", help=f"the bearer token to send (default: ${env})")
+        g.add_argument(
+            f"--{prefix}token-file", help=f"the bearer token to send (default: ${_token_env(prefix)})"
+        )
+
+
+def _token_env(prefix: str) -> str:
+    """The environment variable of a client's token: ``SPECDRAFT_TOKEN``, or with a prefix
+    ``datastore-`` ``SPECDRAFT_DATASTORE_TOKEN``."""
+    from specdraft.security import TOKEN_ENV
+
+    return TOKEN_ENV if not prefix else f"SPECDRAFT_{prefix.strip('-').upper()}_TOKEN"
 
 
 def client_security(args: argparse.Namespace, admin: bool = False, prefix: str = "") -> Any:
-    from specdraft.security import ADMIN_TOKEN_ENV, TOKEN_ENV, ClientSecurity, SecurityError, read_tokens
+    from specdraft.security import ADMIN_TOKEN_ENV, ClientSecurity, SecurityError, read_tokens
 
     key = prefix.replace("-", "_")
 
@@ -254,8 +269,7 @@ def client_security(args: argparse.Namespace, admin: bool = False, prefix: str =
         if admin:
             tokens = read_tokens(arg("admin_token_file"), ADMIN_TOKEN_ENV)
         else:
-            env = TOKEN_ENV if not prefix else f"SPECDRAFT_{prefix.strip('-').upper()}_TOKEN"
-            tokens = read_tokens(arg("token_file"), env)
+            tokens = read_tokens(arg("token_file"), _token_env(prefix))
         return ClientSecurity(
             ca=arg("tls_ca"),
             cert=arg("tls_cert"),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
 from client.cli.common import CliError
+from specdraft.common import atomic_write_text
 
 
 def add_secrets(sub: Any) -> None:
@@ -24,9 +24,7 @@ def add_secrets(sub: Any) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
+    atomic_write_text(path, text, mode=0o600)
 
 
 def cmd_secrets(args: argparse.Namespace) -> int:

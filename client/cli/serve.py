@@ -49,12 +49,6 @@ def add_serve(sub: Any) -> None:
     w.add_argument(
         "--max-generation-seconds", type=float, default=600.0, help="wall time one generation may take"
     )
-    w.add_argument(
-        "--health-port",
-        type=int,
-        default=None,
-        help="plaintext port serving only health (for TLS-less probes)",
-    )
     add_server_security_args(w)
     w.set_defaults(func=cmd_serve_worker)
 
@@ -91,12 +85,6 @@ def add_serve(sub: Any) -> None:
     ds.add_argument("--redis", help="publish each loaded version's dense statistics here (redis://HOST:PORT)")
     ds.add_argument(
         "--faiss-gpu", type=int, default=None, help="search dense indexes on this GPU (needs faiss-gpu)"
-    )
-    ds.add_argument(
-        "--health-port",
-        type=int,
-        default=None,
-        help="plaintext port serving only health (for TLS-less probes)",
     )
     add_server_security_args(ds, admin=True)
     ds.set_defaults(func=cmd_serve_datastore)
