@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide clean
 
 setup: $(STAMP)
 
@@ -95,6 +95,17 @@ CHAOS_STATE ?= bench-out/chaos
 chaos: setup test-deps
 	rm -rf $(CHAOS_STATE)
 	$(VENV)/bin/specdraft chaos --state-dir $(CHAOS_STATE) --json-out bench-out/chaos.json
+
+# The shipped GLIDE drafters of the default model (README "Learned drafters"): prompts, the target's
+# answers and features under the cache (resumable), then the network and its ablation without
+# cross-attention. Here: about TRAIN_MINUTES of training each after ~25 min of data on 2 cores.
+GLIDE_DIR ?= llm_worker/data/drafters/de7dc0073f16aefd
+TRAIN_ARGS ?= --instructions 250 --local-tasks 150 --generate-batch 48 --steps 400
+TRAIN_MINUTES ?= 25
+train-glide: setup
+	$(VENV)/bin/specdraft train glide $(TRAIN_ARGS) --max-minutes $(TRAIN_MINUTES) --out $(GLIDE_DIR)/glide
+	$(VENV)/bin/specdraft train glide $(TRAIN_ARGS) --max-minutes $(TRAIN_MINUTES) --vanilla \
+	  --out $(GLIDE_DIR)/glide-vanilla
 
 calibrate: setup
 	$(VENV)/bin/specdraft calibrate-heads --ship

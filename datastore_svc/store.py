@@ -48,7 +48,7 @@ from datastore_svc.dense import (
 from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
 from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
-from specdraft.common import temp_sibling
+from specdraft.common import sha256_file, temp_sibling
 
 FORMAT = "specdraft-datastore"
 FORMAT_VERSION = 2
@@ -72,14 +72,6 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
     digest = hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()
     name = Path(str(getattr(tokenizer, "name_or_path", "") or "unknown")).name
     return {"name": name, "vocab_size": len(tokenizer), "fingerprint": digest[:16]}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def shard_dir(index: int) -> str:

@@ -48,6 +48,8 @@ class ResourceConfig:
     """TLS, client certificate and token for the shards (``specdraft.security``)."""
     heads_file: str | None = None
     """The induction-head calibration of ``pld+a`` (None = the one shipped for the model)."""
+    drafters_dir: str | None = None
+    """Learned drafters' checkpoints (``glide.json``, ...) looked for before the shipped ones."""
 
 
 def quiet_libraries() -> None:
@@ -103,8 +105,11 @@ def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
     heads = Path(cfg.heads_file) if cfg.heads_file else None
     if heads is not None and not heads.is_file():
         raise AssemblyError(f"--heads-file {heads} is not a file")
+    drafters = Path(cfg.drafters_dir) if cfg.drafters_dir else None
+    if drafters is not None and not drafters.is_dir():
+        raise AssemblyError(f"--drafters-dir {drafters} is not a directory")
     if datastore is None:
-        return DraftResources(heads_file=heads)
+        return DraftResources(heads_file=heads, drafters_dir=drafters)
     from datastore_svc.cache import QueryCache, StatsCache, link_for
 
     try:
@@ -116,7 +121,13 @@ def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
         if link is not None
         else None
     )
-    return DraftResources(datastore, dense_stats=StatsCache(link), dense_queries=queries, heads_file=heads)
+    return DraftResources(
+        datastore,
+        dense_stats=StatsCache(link),
+        dense_queries=queries,
+        heads_file=heads,
+        drafters_dir=drafters,
+    )
 
 
 def load_engine(

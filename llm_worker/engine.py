@@ -25,7 +25,7 @@ from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources,
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.results import GenerationResult, Provenance
-from llm_worker.sampling import make_generator, sample, warp_logits
+from llm_worker.sampling import SamplingNoise, warp_logits
 from llm_worker.stats import GenerationStats
 from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftTree
 from llm_worker.verify.steps import decider, verification_for
@@ -301,8 +301,8 @@ class Engine:
         target, drafter, planner = self.target, rt.drafter, rt.planners[req.sampling.greedy]
         needs = drafter.needs
         sampling = req.sampling
-        gen = make_generator(sampling.seed)
-        decide = decider(sampling, gen)
+        noise = SamplingNoise(sampling.seed, target.info.vocab_size)
+        decide = decider(sampling, noise)
         stats = GenerationStats()
         began = time.perf_counter()
 
@@ -310,7 +310,9 @@ class Engine:
         artifacts = _Artifacts(target, state, needs)
         logits = self._prefill(state, artifacts, torch.tensor(req.prompt_ids, dtype=torch.long), needs)
         first = (
-            int(logits.argmax()) if sampling.greedy else sample(warp_logits(logits[None], sampling)[0], gen)
+            int(logits.argmax())
+            if sampling.greedy
+            else noise.choose(warp_logits(logits[None], sampling)[0], len(req.prompt_ids))
         )
         confidence = _top_probability(logits)
         stats.observe_prefill(time.perf_counter() - began)
@@ -331,6 +333,9 @@ class Engine:
                     hidden=artifacts.hidden if needs.hidden_layers else None,
                     attention=artifacts.attention if needs.query_heads else None,
                     request_state=request_state,
+                    kv=(lambda layer: target.kv(state, layer)) if needs.kv_layers else None,
+                    sampling=sampling,
+                    noise=noise,
                 )
                 with rt.lock:
                     draft = drafter.propose(ctx)
@@ -344,13 +349,15 @@ class Engine:
                         draft = verification_for(draft).plan(planner, draft, out.length, confidence, budget)
             # one target forward over the root and the draft, verify, commit
             t1 = time.perf_counter()
-            step = verification_for(draft).step(target, state, out.root, draft, needs, decide)
+            step = verification_for(draft).step(target, state, out.root, draft, needs, decide, out.length)
             artifacts.record(step.forward, step.rows)
             step_confidence, confidence = confidence, _top_probability(step.forward.logits[step.rows[-1]])
             t2 = time.perf_counter()
 
             emitted = out.emit(step.tokens, step.sources, drafter.name)
             stats.observe_step(len(draft), step.result.num_accepted, len(emitted), t1 - t0, t2 - t1)
+            if len(step.decided):
+                stats.observe_depths(max(step.decided.depths()), step.result.num_accepted)
             if len(draft) and planner is not None:
                 with rt.lock:
                     planner.observe(step.decided, step.result, step_confidence)

@@ -1,10 +1,25 @@
-"""Turning target logits into the distribution a request samples from.
+"""Turning target logits into the distribution a request samples from, and sampling from it.
 
 Order as in transformers' generate: temperature, then top-k, then top-p. Speculative sampling
 verifies against this *warped* distribution, so it is what every mode reproduces exactly.
+
+**Sampling is coupled to the output position.** A request's token at sequence position i is
+``argmax_x p_i(x) / E_i(x)``, where ``E_i`` is a vector of standard exponential noise drawn from a
+generator seeded by (the request's seed, i) alone — the exponential-race form of the Gumbel-max
+trick. Given the tokens before i, ``E_i`` is fresh noise, so the token is an exact sample from
+p_i; and since the noise depends on the position only, not on how many forwards or draft tokens
+led there, a seeded request yields the *same tokens in every mode* as plain sampling (``ar``) with
+that seed, as greedy decoding does. Verification of a draft is then exact matching against these
+tokens, and a drafter that samples uses the same noise (``SamplingNoise.choose``), which makes
+its guess agree with the target's whenever their distributions agree.
+
+Example: p_i = (0.5, 0.3, 0.2) and E_i = (1.9, 0.2, 0.7) give scores (0.26, 1.5, 0.29): token 1.
 """
 
 from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
 
 import torch
 
@@ -32,15 +47,49 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs: [vocab]."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+MASK64 = (1 << 64) - 1
 
 
-def make_generator(seed: int | None, device: str = "cpu") -> torch.Generator:
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(int(seed))
-    return gen
+def mix_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for ``position`` of a request seeded ``seed`` (SplitMix64's
+    finaliser over both): nearby positions and seeds give unrelated streams."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(position) + 1) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+class SamplingNoise:
+    """The exponential noise of one request, per output position (see the module docstring).
+
+    ``seed`` None draws a random one. The last few positions' noise is kept, since a position is
+    usually asked for twice (by a drafter, then by the verifier).
+    """
+
+    KEEP = 8
+
+    def __init__(self, seed: int | None, vocab: int) -> None:
+        self.seed = secrets.randbits(63) if seed is None else int(seed)
+        self.vocab = vocab
+        self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def exponentials(self, position: int) -> torch.Tensor:
+        """[vocab] float64 standard exponential noise of ``position``, every entry > 0."""
+        noise = self._kept.get(position)
+        if noise is None:
+            gen = torch.Generator().manual_seed(mix_seed(self.seed, position))
+            noise = torch.empty(self.vocab, dtype=torch.float64).exponential_(generator=gen)
+            noise.clamp_(min=1e-300)
+            self._kept[position] = noise
+            if len(self._kept) > self.KEEP:
+                self._kept.popitem(last=False)
+        return noise
+
+    def choose(self, probs: torch.Tensor, position: int, ids: torch.Tensor | None = None) -> int:
+        """The token sampled at ``position`` from probs: [vocab] (or, with ``ids`` [n] the
+        vocabulary ids of probs' n entries — a drafter's reduced vocabulary —, the index into
+        probs whose token wins the same race)."""
+        noise = self.exponentials(position)
+        if ids is not None:
+            noise = noise[ids]
+        return int((probs.double() / noise).argmax())

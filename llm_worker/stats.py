@@ -7,7 +7,10 @@ the first token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_DEPTH_STATS = 16  # acceptance by depth is kept for depths 1 .. this
 
 
 @dataclass
@@ -20,6 +23,8 @@ class GenerationStats:
     verify_seconds: float = 0.0  # target forwards (prefill included) and accept / reject
     seconds: float = 0.0  # wall time of the whole request
     prefill_seconds: float = 0.0  # the prompt's forwards (part of verify_seconds; not in to_json)
+    depth_reached: list[int] = field(default_factory=list)  # [depth - 1] steps whose draft reached depth
+    depth_accepted: list[int] = field(default_factory=list)  # [depth - 1] of those, a node there accepted
 
     def observe_prefill(self, seconds: float) -> None:
         self.prefill_seconds += seconds
@@ -37,6 +42,18 @@ class GenerationStats:
         self.draft_seconds += draft_s
         self.verify_seconds += verify_s
 
+    def observe_depths(self, draft_depth: int, accepted: int) -> None:
+        """One verified draft ``draft_depth`` deep with ``accepted`` tokens accepted: depth d was
+        reached if d - 1 tokens were accepted, and passed if d were. Example: a chain of 4 with 2
+        accepted reaches depths 1..3 and passes 1..2."""
+        top = min(draft_depth, accepted + 1, MAX_DEPTH_STATS)
+        while len(self.depth_reached) < top:
+            self.depth_reached.append(0)
+            self.depth_accepted.append(0)
+        for d in range(top):
+            self.depth_reached[d] += 1
+            self.depth_accepted[d] += int(d < accepted)
+
     @property
     def tau(self) -> float:
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
@@ -49,7 +66,7 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def to_json(self) -> dict[str, float | int]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
@@ -61,4 +78,8 @@ class GenerationStats:
             "verify_seconds": round(self.verify_seconds, 4),
             "seconds": round(self.seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "acceptance_by_depth": [
+                round(a / r, 4) if r else None
+                for a, r in zip(self.depth_accepted, self.depth_reached, strict=True)
+            ],
         }

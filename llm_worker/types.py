@@ -8,8 +8,8 @@ Terms used throughout:
 - *draft batch*: D drafts verified side by side as the D rows of one batched forward (each row
   the root followed by one draft); the verifier decides on their trie (``DraftBatch.trie``).
 - *accepted*: a draft token the verifier kept. *Bonus* token: the one token the target itself
-  supplies after the last accepted node (its argmax, or a sample from its — possibly
-  residual — distribution). Every verify step therefore yields accepted + 1 tokens.
+  supplies after the last accepted node (its argmax, or its sample at that position). Every
+  verify step therefore yields accepted + 1 tokens.
 """
 
 from __future__ import annotations
@@ -38,9 +38,6 @@ class DraftTree:
     parents: tuple[int, ...]  # [num_nodes], -1 = the root
     sources: tuple[int, ...] = ()  # [num_nodes] context position the token was copied from, -1 = none
     features: tuple[str, ...] = ()  # [num_nodes] drafter's key for calibrated acceptance, "" = none
-    draft_probs: torch.Tensor | None = (
-        None  # [num_nodes, vocab] q(x) the node was sampled from; None = point mass
-    )
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -53,8 +50,6 @@ class DraftTree:
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:
                 raise ValueError(f"node {i} has parent {p}: nodes must follow their parents")
-        if self.draft_probs is not None and self.draft_probs.shape[0] != n:
-            raise ValueError("draft_probs must have one row per node")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -68,7 +63,6 @@ class DraftTree:
         tokens: Sequence[int],
         sources: Sequence[int] = (),
         features: Sequence[str] = (),
-        draft_probs: torch.Tensor | None = None,
     ) -> DraftTree:
         """One branch: ``chain([4, 2])`` has parents (-1, 0)."""
         n = len(tokens)
@@ -77,7 +71,6 @@ class DraftTree:
             tuple(range(-1, n - 1)),
             tuple(int(s) for s in sources),
             tuple(features),
-            draft_probs,
         )
 
     @staticmethod
@@ -138,7 +131,6 @@ class DraftTree:
             tuple(parents),
             tuple(self.sources[i] for i in kept) if self.sources else (),
             tuple(self.features[i] for i in kept) if self.features else (),
-            self.draft_probs[kept] if self.draft_probs is not None else None,
         )
 
     def path_to(self, node: int) -> list[int]:
@@ -270,12 +262,15 @@ class ArtifactNeeds:
 
     ``hidden_layers``: layer l's output hidden state (0 = embeddings, l = after decoder layer l)
     at every committed position. ``query_heads``: the post-RoPE query of (layer, head) at the
-    last position that has a KV entry, to score attention over the context.
+    last position that has a KV entry, to score attention over the context. ``kv_layers``: the
+    target's live KV cache of these layers (read in place, never copied or recorded).
     """
 
     hidden_layers: frozenset[int] = frozenset()
     query_heads: tuple[tuple[int, int], ...] = ()
+    kv_layers: frozenset[int] = frozenset()
 
     @property
     def empty(self) -> bool:
+        """Nothing to record per forward (the KV cache is read where it lives)."""
         return not self.hidden_layers and not self.query_heads

@@ -1,7 +1,8 @@
-"""Utilities every layer shares: atomic writes, the cache directory, percentiles."""
+"""Utilities every layer shares: atomic writes, the cache directory, file digests, percentiles."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -63,6 +64,15 @@ def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> N
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(text)
+
+
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 hex digest of a file's bytes, read in blocks of 4 MiB."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def percentile(values: Sequence[float], q: float) -> float:

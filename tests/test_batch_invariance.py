@@ -177,11 +177,12 @@ def test_tree_rows_and_prefill_rows_equal_tokens_decoded_alone(dtype: torch.dtyp
 
 def test_a_branching_tree_is_trimmed_at_a_key_chunk_boundary_and_a_chain_is_not() -> None:
     from llm_worker.config import SamplingParams
+    from llm_worker.sampling import SamplingNoise
     from llm_worker.types import DraftTree
     from llm_worker.verify.steps import TREE, decider
 
     target = tiny_fast(torch.float32)
-    decide = decider(SamplingParams(), torch.Generator())
+    decide = decider(SamplingParams(), SamplingNoise(0, target.info.vocab_size))
     tree = DraftTree((5, 6, 7, 8), (-1, 0, -1, 2))
     chain = DraftTree.chain((5, 6, 7, 8))
     with torch.inference_mode():
@@ -190,11 +191,50 @@ def test_a_branching_tree_is_trimmed_at_a_key_chunk_boundary_and_a_chain_is_not(
             target.forward(state, torch.zeros(start, dtype=torch.long), None, NEEDS)
             target.commit(state, range(start))
             assert target.branching_rows_limit(state) == 256 - start
-            step = TREE.step(target, state, 3, draft, NEEDS, decide)
+            step = TREE.step(target, state, 3, draft, NEEDS, decide, start + 1)
             assert len(step.decided) == kept, (draft, start)
 
 
 # -- the kernel choice --------------------------------------------------------------------------
+
+
+def test_attention_padding_is_the_smallest_that_makes_the_batched_gemm_invariant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batched GEMM whose first rows come out differently below 4 rows (as MKL's on an AVX2 EPYC)
+    gets padded to 4; one invariant everywhere is not padded."""
+    real = torch.bmm
+
+    def row_by_row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # invariant by construction
+        return torch.cat([real(a[:, i : i + 1], b) for i in range(a.shape[1])], dim=1)
+
+    def small_rows_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = row_by_row(a, b)
+        return out + 1e-3 if a.shape[1] < 4 else out
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "bmm", row_by_row)
+    assert kernels.attention_min_rows(2, 2, 16, 64, 9, cpu, torch.float32) == 1
+    monkeypatch.setattr(torch, "bmm", small_rows_differ)
+    assert kernels.attention_min_rows(2, 2, 16, 64, 9, cpu, torch.float32) == 4
+
+
+def test_a_kernel_that_cannot_run_here_is_reported_and_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's bfloat16 path raises on processors without AVX-512: the candidate is skipped."""
+    real = kernels.Linear
+
+    def linear(w: torch.Tensor, b: torch.Tensor | None, k: Kernel) -> Linear:
+        if k.library == "onednn":
+            raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw")
+        return real(w, b, k)
+
+    monkeypatch.setattr(kernels, "candidates", lambda d, t: [Kernel("aten", 1), Kernel("onednn", 4)])
+    monkeypatch.setattr(kernels, "Linear", linear)
+    weights = {role: [(torch.randn(16, 8), None)] for role in kernels.ROLES}
+    report = kernels.measure_kernels(weights, torch.device("cpu"), torch.float32, repeats=1)
+    assert set(report.chosen.values()) == {"aten:1"}
+    assert report.unavailable == {role: ["onednn:4"] for role in kernels.ROLES}
+    assert KernelReport.from_json(report.to_json()).unavailable == report.unavailable
 
 
 def test_choice_is_the_fastest_invariant_kernel_on_fake_timings() -> None:

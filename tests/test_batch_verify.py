@@ -19,6 +19,7 @@ from llm_worker.model import wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
 from llm_worker.model.target import SequenceState, TargetModel
 from llm_worker.planner import CostCurve, DraftPlanner
+from llm_worker.sampling import SamplingNoise
 from llm_worker.types import ArtifactNeeds, DraftBatch, DraftTree
 from llm_worker.verify import steps
 from llm_worker.verify.batch import chosen_row, trie_logits
@@ -117,12 +118,12 @@ def test_trie_rejection_sampling_preserves_the_target() -> None:
     """Rows sharing prefixes, each row its own (identical) logits: the first token follows p."""
     batch = DraftBatch(((1, 2), (1, 3), (3,), (0, 1)))
     trie = batch.trie()
-    gen = torch.Generator().manual_seed(0)
     probs = P.expand(batch.num_rows, 1 + batch.max_length, -1)  # [D, 1 + L, vocab]
+    rows = trie_logits(probs, trie)
     n = 20000
     counts = np.zeros(len(P))
-    for _ in range(n):
-        res = verify_sampling(trie_logits(probs, trie), trie.tree, gen)
+    for trial in range(n):
+        res = verify_sampling(lambda row: rows[row], trie.tree, SamplingNoise(trial, len(P)), 0)
         counts[trie.tree.tokens[res.accepted[0]] if res.accepted else res.bonus] += 1
     assert stats.chisquare(counts, P.numpy() * n).pvalue > 1e-3
 

@@ -383,7 +383,8 @@ def test_a_dense_index_of_other_dimensions_than_its_statistics_is_refused(setup,
     import shutil
 
     from datastore_svc.dense_build import DenseBuildConfig, dense_step
-    from datastore_svc.store import DatastoreError, derive_version, sha256_file
+    from datastore_svc.store import DatastoreError, derive_version
+    from specdraft.common import sha256_file
 
     model, target, _, root, _ = setup
     cfg = DenseBuildConfig(dims=8, window=32, overlap=8, chunk_tokens=120, cache_dir=root / "hidden")

@@ -57,16 +57,18 @@ class TreeOfContinuations(Drafter):
 
 
 class SampledDrafts(Drafter):
-    """A chain sampled from a fixed distribution q (stands in for a learned drafter)."""
+    """A chain sampled from a fixed distribution q with the request's noise (stands in for a
+    learned drafter); greedy requests get q's argmax."""
 
     def __init__(self, vocab: int) -> None:
         self.q = torch.softmax(torch.linspace(1.5, -1.5, vocab), dim=0)  # [vocab]
-        self.gen = torch.Generator().manual_seed(1)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         k = min(3, ctx.budget)
-        tokens = torch.multinomial(self.q, k, replacement=True, generator=self.gen).tolist()
-        return DraftTree.chain(tokens, draft_probs=self.q.expand(k, -1).clone())
+        if ctx.noise is None or ctx.sampling.greedy:
+            return DraftTree.chain([int(self.q.argmax())] * k)
+        first = len(ctx.tokens)  # the sequence position of the depth-1 token
+        return DraftTree.chain([ctx.noise.choose(self.q, first + d) for d in range(k)])
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +156,22 @@ def test_seeded_sampling_is_reproducible() -> None:
     engine = engine_for(target, FLAT_CURVE)
     req = GenerationRequest((1, 2, 3, 4, 1, 2), 32, "pld", SamplingParams(temperature=1.0, seed=11))
     assert engine.generate(req).token_ids == engine.generate(req).token_ids
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_seeded_sampling_every_mode_equals_ar_with_the_seed(
+    kind: str, heads_file: Path, extra_modes: None
+) -> None:
+    """Sampling is coupled to the position: with the same seed every mode emits ``ar``'s tokens,
+    whatever it drafted (the fast backend is batch-invariant, so bit for bit)."""
+    target = tiny_target(kind, backend="fast")
+    engine = engine_for(target, CPU_LIKE_CURVE, heads_file)
+    tally = DraftTally()
+    for seed, prompt in enumerate(prompts(target.info.vocab_size)):
+        params = SamplingParams(temperature=0.3, top_p=0.95, seed=seed)
+        ref = engine.generate(GenerationRequest(tuple(prompt), 48, "ar", params)).token_ids
+        for mode in ["pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q"]:
+            res = engine.generate(GenerationRequest(tuple(prompt), 48, mode, params))
+            assert res.token_ids == ref, f"{kind}/{mode}/seed {seed}"
+            tally.observe(mode, res.stats)
+    tally.assert_every_mode_drafted_and_accepted(kind)

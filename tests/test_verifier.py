@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
+from llm_worker.sampling import SamplingNoise, mix_seed
 from llm_worker.types import DraftTree, Outcome
 from llm_worker.verify.tree import tree_buffers
 from llm_worker.verify.verifier import verify_greedy, verify_sampling
@@ -68,17 +69,20 @@ def test_from_sequences_merges_prefixes_and_keeps_first_source() -> None:
         tree.subtree([1])
 
 
-def _first_token_distribution(p: torch.Tensor, make_tree, trials: int, seed: int) -> np.ndarray:
-    """Empirical distribution of the first emitted token (first accepted draft, else the bonus)."""
-    gen = torch.Generator().manual_seed(seed)
+def _first_token_distribution(p: torch.Tensor, make_tree, trials: int, seed: int) -> tuple[np.ndarray, int]:
+    """Empirical distribution of the first emitted token (first accepted draft, else the bonus)
+    over ``trials`` requests seeded seed, seed + 1, ...; and how many drafts were accepted."""
     counts = np.zeros(p.shape[-1])
-    for _ in range(trials):
-        tree = make_tree(gen)
-        probs = p.expand(len(tree) + 1, -1)
-        res = verify_sampling(probs, tree, gen)
+    accepted = 0
+    for trial in range(trials):
+        noise = SamplingNoise(seed + trial, p.shape[-1])
+        tree = make_tree(noise)
+        res = verify_sampling(lambda row: p, tree, noise, 0)
         first = tree.tokens[res.accepted[0]] if res.accepted else res.bonus
+        assert first == noise.choose(p, 0), "the emitted token must not depend on the draft"
+        accepted += bool(res.accepted)
         counts[first] += 1
-    return counts
+    return counts, accepted
 
 
 P = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
@@ -93,26 +97,48 @@ P = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
     ],
     ids=["likely", "unlikely", "siblings"],
 )
-def test_point_mass_rejection_sampling_preserves_the_target(make_tree) -> None:
+def test_sampling_verification_preserves_the_target(make_tree) -> None:
     n = 20000
-    counts = _first_token_distribution(P, make_tree, n, seed=0)
+    counts, accepted = _first_token_distribution(P, make_tree, n, seed=0)
     assert stats.chisquare(counts, P.numpy() * n).pvalue > 1e-3
+    # A point-mass draft is accepted with probability p(x), siblings with the sum of theirs.
+    drafted = make_tree(SamplingNoise(0, len(P)))
+    expected = sum(float(P[drafted.tokens[c]]) for c, parent in enumerate(drafted.parents) if parent < 0)
+    assert abs(accepted / n - expected) < 0.015
 
 
-def test_rejection_sampling_with_draft_probabilities_preserves_the_target() -> None:
+def test_a_draft_sampled_with_the_same_noise_is_exact_and_coupled() -> None:
     q = torch.tensor([0.3, 0.1, 0.1, 0.4, 0.1])
 
-    def sampled_draft(gen: torch.Generator) -> DraftTree:
-        # The draft token is itself drawn from q: min(1, p/q) is exact only over that randomness.
-        a = int(torch.multinomial(q, 1, generator=gen))
-        return DraftTree((a,), (-1,), draft_probs=q[None].clone())
+    def sampled_draft(noise: SamplingNoise) -> DraftTree:
+        return DraftTree.chain([noise.choose(q, 0)])  # the drafter's own race at the same position
 
     n = 20000
-    counts = _first_token_distribution(P, sampled_draft, n, seed=1)
+    counts, accepted = _first_token_distribution(P, sampled_draft, n, seed=1)
     assert stats.chisquare(counts, P.numpy() * n).pvalue > 1e-3
+    # Independent draws would agree with probability sum p*q = 0.17; the race coupling agrees at
+    # least (1 - TV) / (1 + TV) = 0.38 of the time (TV = 0.45 here).
+    assert accepted / n > 0.37
 
 
 def test_a_certain_draft_is_always_accepted() -> None:
     p = torch.tensor([0.0, 1.0, 0.0])
-    res = verify_sampling(p.expand(2, -1), DraftTree.chain([1]), torch.Generator().manual_seed(0))
+    res = verify_sampling(lambda row: p, DraftTree.chain([1]), SamplingNoise(0, 3), 7)
     assert res.accepted == (0,)
+
+
+def test_noise_is_a_function_of_seed_and_position() -> None:
+    a, b = SamplingNoise(5, 64), SamplingNoise(5, 64)
+    assert torch.equal(a.exponentials(3), b.exponentials(3))
+    assert not torch.equal(a.exponentials(3), a.exponentials(4))
+    assert not torch.equal(a.exponentials(3), SamplingNoise(6, 64).exponentials(3))
+    assert len({mix_seed(s, i) for s in range(50) for i in range(50)}) == 2500
+    assert bool((a.exponentials(0) > 0).all())
+
+
+def test_a_deeper_node_meets_the_sample_of_its_own_position() -> None:
+    """Depth d is decided by position + d: a chain of the samples at 10, 11, 12 is accepted whole."""
+    noise = SamplingNoise(3, len(P))
+    samples = [noise.choose(P, pos) for pos in (10, 11, 12, 13)]
+    res = verify_sampling(lambda row: P, DraftTree.chain(samples[:3]), noise, 10)
+    assert res.accepted == (0, 1, 2) and res.bonus == samples[3]

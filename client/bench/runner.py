@@ -43,8 +43,16 @@ class Tally:
     outputs: int = 0
     identical: int = 0
     prefill_seconds: float | None = 0.0  # None once an outcome did not report it
+    depth_reached: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
 
     def add(self, o: RunOutcome, identical: bool) -> None:
+        for d, (r, a) in enumerate(zip(o.depth_reached, o.depth_accepted, strict=True)):
+            if d == len(self.depth_reached):
+                self.depth_reached.append(0)
+                self.depth_accepted.append(0)
+            self.depth_reached[d] += r
+            self.depth_accepted[d] += a
         if self.prefill_seconds is not None and o.prefill_seconds is not None:
             self.prefill_seconds += o.prefill_seconds
         else:
@@ -75,6 +83,9 @@ class Tally:
             "speedup_vs_ar": round(tps / ar.tokens_per_second, 3) if ar and ar.tokens_per_second else None,
             "tau": round(self.new_tokens / self.forwards, 3) if self.forwards else None,
             "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else None,
+            "acceptance_by_depth": [
+                round(a / r, 3) for a, r in zip(self.depth_accepted[:8], self.depth_reached[:8], strict=True)
+            ],
             "identical_to_ar": self.identical == self.outputs,
             "outputs": self.outputs,
             "outputs_identical_to_ar": self.identical,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ class RunOutcome:
     drafted: int = 0
     accepted: int = 0
     prefill_seconds: float | None = None  # None: not known (transformers' generate)
+    depth_reached: list[int] = field(default_factory=list)  # per draft depth (``GenerationStats``)
+    depth_accepted: list[int] = field(default_factory=list)
 
 
 Runner = Callable[[list[int], int], RunOutcome]
@@ -48,6 +50,8 @@ def engine_runner(engine: Engine, mode: str) -> Runner:
             s.drafted_tokens,
             s.accepted_tokens,
             s.prefill_seconds,
+            list(s.depth_reached),
+            list(s.depth_accepted),
         )
 
     return run

@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from client.cli import bench, datastore, generate, secrets, serve, stack
+from client.cli import bench, datastore, generate, secrets, serve, stack, train
 from client.cli.common import EXIT_BAD_INPUT, CliError, Parser
 
 __all__ = ["EXIT_BAD_INPUT", "CliError", "build_parser", "main"]
@@ -32,12 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_bench(sub)
     generate.add_modes(sub)
     secrets.add_secrets(sub)
+    train.add_train(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
     try:
         return int(args.func(args))

@@ -119,6 +119,10 @@ def add_datastore_args(p: argparse.ArgumentParser) -> None:
         "--heads-file",
         help="induction-head calibration for pld+a (default: the one shipped or calibrated for the model)",
     )
+    p.add_argument(
+        "--drafters-dir",
+        help="learned drafters' checkpoints (glide.json, glide-vanilla.json), before the shipped ones",
+    )
     add_client_security_args(p, prefix="datastore-")
 
 
@@ -149,6 +153,7 @@ def engine_from_args(args: argparse.Namespace) -> tuple[Engine, TargetModel, Any
         device=getattr(args, "device", "cpu") or "cpu",
         datastore_security=client_security(args, prefix="datastore-"),
         heads_file=getattr(args, "heads_file", None),
+        drafters_dir=getattr(args, "drafters_dir", None),
     )
     try:
         return load_engine(model_config(args), resources)

@@ -15,13 +15,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from datastore_svc.cache import QueryCache, StatsCache
 from datastore_svc.protocols import Datastore
+from llm_worker.config import SamplingParams
+from llm_worker.sampling import SamplingNoise
 from llm_worker.types import ArtifactNeeds, Draft, DraftTree, VerifyResult
 
 if TYPE_CHECKING:
@@ -43,6 +45,9 @@ class DraftContext:
     no KV entry yet, so artifacts exist for positions 0 .. T-2 only.
     ``budget``: the most draft tokens worth proposing this step.
     ``request_state``: what lives as long as the request (``RequestState``).
+    ``sampling`` / ``noise``: the request's sampling parameters and its position-coupled noise,
+    for a drafter that samples its draft: the token at sequence position ``len(tokens) + d - 1``
+    (depth d) is ``noise.choose(q, position)``, the race the target's own sample runs.
     """
 
     def __init__(
@@ -52,12 +57,25 @@ class DraftContext:
         hidden: Callable[[int], torch.Tensor] | None = None,
         attention: Callable[[], torch.Tensor] | None = None,
         request_state: RequestState | None = None,
+        kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        sampling: SamplingParams | None = None,
+        noise: SamplingNoise | None = None,
     ) -> None:
         self.tokens = tokens  # [T] int64
         self.budget = budget
         self.request_state = RequestState() if request_state is None else request_state
+        self.sampling = sampling or SamplingParams()
+        self.noise = noise
         self._hidden = hidden
         self._attention = attention
+        self._kv = kv
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's cached keys (after RoPE) and values of ``layer`` at positions 0 .. T-2,
+        each [num_kv_heads, T-1, head_dim]: views of the live cache, read-only."""
+        if self._kv is None:
+            raise RuntimeError("this drafter did not ask for the KV cache")
+        return self._kv(layer)
 
     def hidden(self, layer: int) -> torch.Tensor:
         """[T-1, hidden_size]: layer ``layer``'s hidden state at positions 0 .. T-2."""
@@ -101,6 +119,9 @@ class DraftResources:
     datastore: Datastore | None = None
     dense_stats: StatsCache = field(default_factory=lambda: StatsCache(None))
     dense_queries: QueryCache | None = None
+    drafters_dir: Path | None = None
+    """Where learned drafters' checkpoints are looked for before the shipped ones (worker
+    configuration; ``llm_worker.drafters.checkpoint``)."""
     heads_file: Path | None = None
     """The induction-head calibration ``pld+a`` reads (worker configuration, never a request's:
     None = the one shipped or calibrated for the model)."""
@@ -113,6 +134,8 @@ class RequestState:
     datastore_version: str = ""
     """The datastore version the request is pinned to: the one that answered its first
     retrieval ("" until then). Later retrievals ask for it, so a swap never mixes versions."""
+    drafter: Any = None
+    """What the mode's drafter keeps for this request (e.g. a learned drafter's own KV cache)."""
 
 
 DrafterFactory = Callable[["TargetModel", dict[str, str], DraftResources], Drafter]

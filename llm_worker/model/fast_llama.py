@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llm_worker.model.kernels import ROLES, Kernel, KernelChooser, Linear
+from llm_worker.model.kernels import ROLES, Kernel, KernelChooser, Linear, attention_min_rows, pad_rows_bmm
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetInfo, TargetModel
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
@@ -44,6 +44,7 @@ from llm_worker.verify.tree import TreeBuffers
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _GROW = 512  # KV capacity grows in steps of this many positions
 ATTENTION_CHUNK = 256  # keys per reduction chunk of the attention (divides _GROW)
+_PREFILL_ROWS = 1024  # the largest forward whose attention invariance is checked (prefill chunks: 256)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -129,6 +130,16 @@ class FastLlamaTarget(TargetModel):
         # float32 keeps the softmax exact to more bits (flash attention accumulates in float32 too).
         self.attn_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.chunk = attention_chunk
+        group = info.num_heads // info.num_kv_heads
+        self.attention_rows = attention_min_rows(
+            info.num_kv_heads,
+            group,
+            info.head_dim,
+            attention_chunk,
+            _PREFILL_ROWS,
+            self.device,
+            self.attn_dtype,
+        )  # query rows attention's batched GEMMs are padded to (measured here: invariant from it)
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm.weight.detach()
@@ -157,18 +168,22 @@ class FastLlamaTarget(TargetModel):
         self.kernels = dict(gemm_kernels or dict.fromkeys(ROLES, Kernel("aten", 1)))  # role -> kernel
         self.min_rows = min(k.min_rows for k in self.kernels.values())  # the forward pads to this
         self.kernel_report = report
-        self.lm_head = Linear(*weights["lm_head"][0], self.kernels["lm_head"])
-        self.layers = [
-            _Layer(
-                ln_attn=layer.input_layernorm.weight.detach(),
-                qkv=Linear(*weights["qkv"][i], self.kernels["qkv"]),
-                o=Linear(*weights["o"][i], self.kernels["o"]),
-                ln_mlp=layer.post_attention_layernorm.weight.detach(),
-                gate_up=Linear(*weights["gate_up"][i], self.kernels["gate_up"]),
-                down=Linear(*weights["down"][i], self.kernels["down"]),
-            )
-            for i, layer in enumerate(inner.layers)
-        ]
+        try:
+            self.lm_head = Linear(*weights["lm_head"][0], self.kernels["lm_head"])
+            self.layers = [
+                _Layer(
+                    ln_attn=layer.input_layernorm.weight.detach(),
+                    qkv=Linear(*weights["qkv"][i], self.kernels["qkv"]),
+                    o=Linear(*weights["o"][i], self.kernels["o"]),
+                    ln_mlp=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=Linear(*weights["gate_up"][i], self.kernels["gate_up"]),
+                    down=Linear(*weights["down"][i], self.kernels["down"]),
+                )
+                for i, layer in enumerate(inner.layers)
+            ]
+        except RuntimeError as exc:  # a forced kernel this processor cannot run (--kernel)
+            chosen = ", ".join(f"{role} {k.name}" for role, k in self.kernels.items())
+            raise ValueError(f"GEMM kernels ({chosen}) cannot run on this machine: {exc}") from None
 
     @property
     def supports_queries(self) -> bool:
@@ -177,7 +192,7 @@ class FastLlamaTarget(TargetModel):
     @property
     def kernel_variant(self) -> str:
         names = ",".join(f"{k.library}{k.min_rows}" for k in self.kernels.values())
-        return f"-{names}-c{self.chunk}"
+        return f"-{names}-c{self.chunk}-a{self.attention_rows}"
 
     def weight_bytes(self) -> int:
         """Every layer's weights, the final norm and the LM head."""
@@ -193,6 +208,7 @@ class FastLlamaTarget(TargetModel):
         info: dict[str, Any] = {
             "gemm_kernels": {role: k.name for role, k in self.kernels.items()},
             "attention_chunk": self.chunk,
+            "attention_min_rows": self.attention_rows,
         }
         if self.kernel_report is not None:
             info["gemm_kernel_candidates"] = self.kernel_report.to_json()
@@ -232,9 +248,10 @@ class FastLlamaTarget(TargetModel):
         node whose key crossed into the next chunk would be summed in another chunk than alone."""
         return self.chunk - state.length % self.chunk
 
-    def keys(self, state: SequenceState, layer: int) -> torch.Tensor:
+    def kv(self, state: SequenceState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(state, _KVState)
-        return state.keys[layer, 0, :, : state.length]
+        d = self.info.head_dim
+        return state.keys[layer, 0, :, : state.length], state.values[layer, 0, :, : state.length, :d]
 
     def commit(self, state: SequenceState, rows: Sequence[int]) -> None:
         assert isinstance(state, _KVState)
@@ -286,13 +303,14 @@ class FastLlamaTarget(TargetModel):
         group, t = heads // kv, bias.shape[1]
         c = self.chunk
         qg = q.view(n, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * n, d)  # [kv, group·n, d]
+        pad = self.attention_rows
         scores = (
-            torch.bmm(qg, keys[:, :t].transpose(1, 2)).mul_(1.0 / math.sqrt(d)).add_(bias)
+            pad_rows_bmm(qg, keys[:, :t].transpose(1, 2), pad).mul_(1.0 / math.sqrt(d)).add_(bias)
         )  # [kv, g·n, T]
         weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [kv, group·n, T]
-        total = torch.bmm(weights[:, :, :c], values[:, :c])  # [kv, group·n, d + 1]
+        total = pad_rows_bmm(weights[:, :, :c], values[:, :c], pad)  # [kv, group·n, d + 1]
         for start in range(c, t, c):  # (a plain bmm and an add: baddbmm was 2x slower at these shapes)
-            total += torch.bmm(weights[:, :, start : start + c], values[:, start : start + c])
+            total += pad_rows_bmm(weights[:, :, start : start + c], values[:, start : start + c], pad)
         out = total[..., :d] / total[..., d:]
         return out.view(kv, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 

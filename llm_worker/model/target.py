@@ -167,6 +167,11 @@ class TargetModel(ABC):
 
     def keys(self, state: SequenceState, layer: int) -> torch.Tensor:
         """Post-RoPE keys of committed positions: [num_kv_heads, length, head_dim]."""
+        return self.kv(state, layer)[0]
+
+    def kv(self, state: SequenceState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE keys and the values of committed positions, each [num_kv_heads, length,
+        head_dim]: views of the cache, not copies."""
         raise NotImplementedError(f"the {self.info.backend} backend does not expose its KV cache")
 
     @property
@@ -322,6 +327,15 @@ class HFTarget(TargetModel):
             for layer in needs.hidden_layers:
                 hidden[layer] = out.hidden_states[layer][0]
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
+
+    def kv(self, state: SequenceState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(state, _HFState)
+        if state.pending:
+            self.commit(state, [])
+        if layer >= len(state.cache.layers):
+            raise ValueError(f"no KV cache for layer {layer}")
+        entry = state.cache.layers[layer]
+        return entry.keys[0, :, : state.length], entry.values[0, :, : state.length]
 
     def commit(self, state: SequenceState, rows: Sequence[int]) -> None:
         assert isinstance(state, _HFState)

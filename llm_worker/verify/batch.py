@@ -22,17 +22,14 @@ length". The bonus is the argmax after it. This is plain greedy decoding, as for
 prefix and the tokens before it in its row, so two rows sharing a prefix have *the same*
 distributions along it: the D·(1 + L) distributions the batch computes are a function on the
 trie's nodes, and the trie with those distributions is exactly the draft tree a tree forward of
-the merged rows would produce. Recursive rejection sampling over a tree of deterministic (point
-mass) drafts whose node distributions are the target's conditionals is exact (the tree
-argument in ``llm_worker.verify.verifier``), so the emitted tokens follow the target. Which row
-supplies a node's logits is decided by the draft alone, before any random draw, so the choice
-cannot bias the outcome; in floating point, rows sharing a prefix may differ in the last bits,
-the same order of difference as between a 1-token and an n-token forward.
+the merged rows would produce. The verdict on it matches each node against the target's
+position-coupled sample (``llm_worker.verify.verifier``), so the emitted tokens are plain
+sampling's. On the fast backend the batch runs as its equivalent tree, so "in exact arithmetic"
+holds bit for bit.
 
-What would *not* be exact: verifying each row independently (one rejection chain per row) and
-keeping the longest acceptance. That selects the luckiest of D draws, and the first token would
-be over-weighted towards draft tokens; the trie rule rejects siblings in turn and renormalises
-the residual, so every branch is tried against what is left of p.
+What would *not* be exact: a rejection chain per row with its own random draws, keeping the
+longest acceptance. That selects the luckiest of D draws and over-weights draft tokens; here
+every row meets the same sample at each position.
 """
 
 from __future__ import annotations

@@ -25,21 +25,25 @@ import torch
 from llm_worker.config import SamplingParams
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import DraftBudget, DraftPlanner
-from llm_worker.sampling import warp_logits
+from llm_worker.sampling import SamplingNoise, warp_logits
 from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftBatch, DraftTree, VerifyResult
 from llm_worker.verify.batch import chosen_row, trie_logits
 from llm_worker.verify.tree import tree_buffers
 from llm_worker.verify.verifier import verify_greedy, verify_sampling
 
-Decide = Callable[[torch.Tensor, DraftTree], VerifyResult]
-"""(logits [1 + num_nodes, vocab] of the root and every node, the tree) → the verdict."""
+Decide = Callable[[torch.Tensor, DraftTree, int], VerifyResult]
+"""(logits [1 + num_nodes, vocab] of the root and every node, the tree, the sequence position the
+root's row predicts) → the verdict."""
 
 
-def decider(sampling: SamplingParams, generator: torch.Generator) -> Decide:
-    """Greedy: exact match with the argmax. Sampling: recursive rejection against the warped p."""
+def decider(sampling: SamplingParams, noise: SamplingNoise) -> Decide:
+    """Greedy: exact match with the argmax. Sampling: exact match with the position-coupled sample
+    of the warped p (each row warped alone, as plain sampling warps it)."""
     if sampling.greedy:
-        return lambda logits, tree: verify_greedy(logits.argmax(dim=-1).tolist(), tree)
-    return lambda logits, tree: verify_sampling(warp_logits(logits, sampling), tree, generator)
+        return lambda logits, tree, position: verify_greedy(logits.argmax(dim=-1).tolist(), tree)
+    return lambda logits, tree, position: verify_sampling(
+        lambda row: warp_logits(logits[row : row + 1], sampling)[0], tree, noise, position
+    )
 
 
 @dataclass(frozen=True)
@@ -86,8 +90,10 @@ class Verification(ABC, Generic[DraftT]):
         draft: DraftT,
         needs: ArtifactNeeds,
         decide: Decide,
+        position: int,
     ) -> StepResult:
-        """One target forward over ``root`` and ``draft``, the verdict, and the commit."""
+        """One target forward over ``root`` and ``draft``, the verdict, and the commit.
+        ``position``: the sequence position the root's row predicts."""
 
 
 class TreeVerification(Verification[DraftTree]):
@@ -104,13 +110,14 @@ class TreeVerification(Verification[DraftTree]):
         draft: DraftTree,
         needs: ArtifactNeeds,
         decide: Decide,
+        position: int,
     ) -> StepResult:
         limit = target.branching_rows_limit(state)
         if limit is not None and 1 + len(draft) > limit and not draft.is_chain():
             draft = draft.subtree(range(limit - 1))  # nodes are in topological order: a subtree
         inputs = torch.tensor((root, *draft.tokens), dtype=torch.long)  # [1 + num_nodes]
         fwd = target.forward(state, inputs, tree_buffers(draft.parents) if len(draft) else None, needs)
-        result = decide(fwd.logits, draft)
+        result = decide(fwd.logits, draft, position)
         rows = [0] + [node + 1 for node in result.accepted]
         target.commit(state, rows)
         return StepResult(fwd, rows, draft, result)
@@ -134,18 +141,19 @@ class BatchVerification(Verification[DraftBatch]):
         draft: DraftBatch,
         needs: ArtifactNeeds,
         decide: Decide,
+        position: int,
     ) -> StepResult:
         limit = target.branching_rows_limit(state)
         if limit is not None and draft.num_rows > 1 and 1 + len(draft) > limit:
             draft = _fit_rows(draft, limit - 1)
         if not len(draft):  # nothing to verify: a plain one-token step
-            return TREE.step(target, state, root, DraftTree.empty(), needs, decide)
+            return TREE.step(target, state, root, DraftTree.empty(), needs, decide, position)
         tokens = torch.cat(
             (torch.full((draft.num_rows, 1), root, dtype=torch.long), draft.padded(pad=root)), dim=1
         )  # [D, 1 + L]
         fwd = target.forward_batch(state, tokens, [len(r) for r in draft.rows], needs)
         trie = draft.trie()
-        result = decide(trie_logits(fwd.logits, trie), trie.tree)
+        result = decide(trie_logits(fwd.logits, trie), trie.tree, position)
         row, count = chosen_row(trie, result)
         target.commit_batch(state, row, count)
         return StepResult(fwd.row(row), list(range(count)), trie.tree, result)

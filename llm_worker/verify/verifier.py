@@ -7,20 +7,26 @@ Greedy: a child is accepted iff its token is the target's argmax at its parent's
 bonus token is the argmax after the last accepted node. Exactly the tokens of plain greedy
 decoding.
 
-Sampling: recursive rejection sampling over siblings (SpecInfer's multi-round rule). At a node
-with target distribution p, children x_1, x_2, ... are tried in order. Child i, drafted from
-q_i, is accepted with probability min(1, p(x_i) / q_i(x_i)); on rejection
-p ← normalise(max(p − q_i, 0)). A deterministic draft is the point mass q_i = δ(x_i): accept
-with probability p(x_i), and on rejection zero x_i out of p and renormalise. If every child is
-rejected the bonus token is sampled from what is left of p. The output is distributed exactly
-as sampling from the target one token at a time.
+Sampling: the target's token at each row is its sample at that row's sequence position,
+coupled to the position (``llm_worker.sampling``: the winner of an exponential race between the
+warped p and the position's noise); a child is accepted iff its token is that sample, and the
+bonus is the sample after the last accepted node. So a seeded request emits exactly the tokens
+plain sampling with the seed emits, and each is an exact sample from p. A draft token x is
+accepted with probability p(x) — for siblings x_1, x_2, ... with p(x_1) + p(x_2) + ...: what
+recursive rejection sampling of point-mass drafts accepts. A drafter that samples from its own q
+with the same noise is accepted with the probability that both races have the same winner.
+
+Example: root p = (0.5, 0.3, 0.2), noise (1.9, 0.2, 0.7): the sample is token 1; a chain
+drafting [1, ...] has its first node accepted, a chain drafting [0] none (bonus 1).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
-from llm_worker.sampling import sample
+from llm_worker.sampling import SamplingNoise
 from llm_worker.types import DraftTree, Outcome, VerifyResult
 
 
@@ -33,14 +39,15 @@ def children_of(tree: DraftTree) -> dict[int, list[int]]:
     return kids
 
 
-def verify_greedy(argmax: list[int], tree: DraftTree) -> VerifyResult:
-    """argmax: [1 + num_nodes] the target's argmax token at each row."""
+def verify_tokens(token_at: Callable[[int], int], tree: DraftTree) -> VerifyResult:
+    """``token_at(row)``: the target's token at row (0 the root, i + 1 node i), asked for the rows
+    of the accepted path only. Follows the child whose token it is, as long as there is one."""
     kids = children_of(tree)
     outcomes = [Outcome.UNREACHED] * len(tree)
     accepted: list[int] = []
     node = -1
     while True:
-        want = argmax[node + 1]
+        want = token_at(node + 1)
         nxt = -1
         for child in kids[node]:
             if tree.tokens[child] == want:
@@ -54,35 +61,15 @@ def verify_greedy(argmax: list[int], tree: DraftTree) -> VerifyResult:
         node = nxt
 
 
-def verify_sampling(probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None) -> VerifyResult:
-    """probs: [1 + num_nodes, vocab] the target's (warped) distribution at each row."""
-    kids = children_of(tree)
-    outcomes = [Outcome.UNREACHED] * len(tree)
-    accepted: list[int] = []
-    node = -1
-    while True:
-        p = probs[node + 1].double()
-        nxt = -1
-        for child in kids[node]:
-            x = tree.tokens[child]
-            q = tree.draft_probs[child].double() if tree.draft_probs is not None else None
-            ratio = p[x].item() if q is None else min(1.0, p[x].item() / max(q[x].item(), 1e-300))
-            u = torch.rand((), generator=generator, dtype=torch.float64).item()
-            if u < ratio:
-                outcomes[child] = Outcome.ACCEPTED
-                nxt = child
-                break
-            outcomes[child] = Outcome.REJECTED
-            if q is None:
-                residual = p.clone()
-                residual[x] = 0.0
-            else:
-                residual = torch.clamp(p - q, min=0.0)
-            total = residual.sum().item()
-            # In exact arithmetic a rejection leaves positive mass; guard against rounding.
-            if total > 0.0:
-                p = residual / total
-        if nxt < 0:
-            return VerifyResult(tuple(accepted), sample(p.float(), generator), tuple(outcomes))
-        accepted.append(nxt)
-        node = nxt
+def verify_greedy(argmax: Sequence[int], tree: DraftTree) -> VerifyResult:
+    """argmax: [1 + num_nodes] the target's argmax token at each row."""
+    return verify_tokens(argmax.__getitem__, tree)
+
+
+def verify_sampling(
+    probs_at: Callable[[int], torch.Tensor], tree: DraftTree, noise: SamplingNoise, position: int
+) -> VerifyResult:
+    """``probs_at(row)``: [vocab] the target's warped distribution at a row; ``position``: the
+    sequence position the root's row predicts (a node at depth d predicts ``position + d``)."""
+    depth = [0, *tree.depths()]
+    return verify_tokens(lambda row: noise.choose(probs_at(row), position + depth[row]), tree)

@@ -1,0 +1,197 @@
+"""``specdraft train glide``: prompts → the target's answers → cached features → draft vocabulary →
+a trained GLIDE checkpoint. Every stage resumes where an interrupted run stopped (the work
+directory keeps its files); the library is ``llm_worker.training``."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from client.cli.common import CliError, add_model_args, model_config, positive_int, print_json
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a learned drafter for a model (resumable)")
+    tsub = p.add_subparsers(dest="train_command", required=True)
+    g = tsub.add_parser("glide", help="GLIDE: a draft network reading the target's KV cache")
+    add_model_args(g)
+    g.add_argument("--work", help="data and features (default: the cache, per model)")
+    g.add_argument("--out", required=True, help="checkpoint stem: writes OUT.safetensors and OUT.json")
+    g.add_argument("--vanilla", action="store_true", help="the ablation without cross-attention")
+    g.add_argument(
+        "--data-dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype the target writes prompts and answers in (features use --dtype)",
+    )
+    g.add_argument("--instructions", type=int, default=600, help="self-generated instructions")
+    g.add_argument("--local-tasks", type=int, default=300, help="tasks over local text")
+    g.add_argument("--heldout-fraction", type=float, default=0.05)
+    g.add_argument("--max-answer-tokens", type=positive_int, default=192)
+    g.add_argument("--generate-batch", type=positive_int, default=24, help="sequences per generate call")
+    g.add_argument("--max-feature-gb", type=float, default=4.0, help="bound on the feature cache")
+    g.add_argument("--vocab", type=positive_int, default=8192, help="draft vocabulary size")
+    g.add_argument("--layer", type=int, default=-1, help="target layer whose KV the draft reads (-1 = last)")
+    g.add_argument("--block-size", type=positive_int, default=5)
+    g.add_argument("--steps", type=positive_int, default=2000)
+    g.add_argument("--tokens-per-batch", type=positive_int, default=4096)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.set_defaults(func=cmd_train_glide)
+
+
+def _bar(total: int | None, desc: str, quiet: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=quiet, file=sys.stderr, dynamic_ncols=True)
+
+
+def write_heldout(prompts: Path, out: Path) -> Path:
+    """The held-out prompts as benchmark questions (``specdraft bench --questions``): one turn
+    each, category ``heldout-self`` (self-generated instructions) or ``heldout-local``."""
+    import json
+
+    from llm_worker.training.data import read_jsonl
+    from specdraft.common import atomic_write_text
+
+    lines = [
+        json.dumps({"question_id": r["id"], "category": f"heldout-{r['kind']}", "turns": [r["text"]]})
+        for r in read_jsonl(prompts)
+        if r["split"] == "heldout"
+    ]
+    atomic_write_text(out, "".join(line + "\n" for line in lines))
+    return out
+
+
+def cmd_train_glide(args: argparse.Namespace) -> int:
+    import torch
+
+    from client.bench.suite import SUITE_SOURCES
+    from llm_worker.assembly import AssemblyError, load_model
+    from llm_worker.drafters.glide_net import glide_config_for
+    from llm_worker.training.data import Completer, DataConfig, make_conversations, make_prompts
+    from llm_worker.training.features import FeatureConfig, draft_vocabulary, load_sequences, make_features
+    from llm_worker.training.trainer import GlideTrainer, TrainConfig
+    from specdraft.common import cache_root
+
+    if not 0.0 <= args.heldout_fraction < 1.0:
+        raise CliError("--heldout-fraction must be in [0, 1)")
+    began = time.perf_counter()
+    report: dict[str, Any] = {}
+    try:
+        target, tokenizer = load_model(model_config(args))
+    except AssemblyError as exc:
+        raise CliError(str(exc)) from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise CliError("training data is made through the model's chat template; this tokenizer has none")
+    info = target.info
+    weights_id = info.weights_id or info.fingerprint
+    work = Path(args.work) if args.work else cache_root() / "train" / weights_id
+    layer = args.layer if args.layer >= 0 else info.num_layers + args.layer
+    if not 0 <= layer < info.num_layers:
+        raise CliError(f"--layer {args.layer}: the model has {info.num_layers} layers")
+    torch.manual_seed(args.seed)
+
+    # 1-2. prompts and answers, in --data-dtype
+    data_cfg = DataConfig(
+        instructions=args.instructions,
+        local_tasks=args.local_tasks,
+        heldout_fraction=args.heldout_fraction,
+        max_answer_tokens=args.max_answer_tokens,
+        batch_size=args.generate_batch,
+        seed=args.seed,
+    )
+    writer = target
+    if args.data_dtype != args.dtype:
+        writer, _ = load_model(model_config(argparse.Namespace(**{**vars(args), "dtype": args.data_dtype})))
+    completer = Completer(writer.model, tokenizer, info.eos_token_ids, data_cfg.batch_size)
+    exclude = {name.split(".")[0] for names in SUITE_SOURCES.values() for name in names}
+    t0 = time.perf_counter()
+    with _bar(args.instructions + args.local_tasks, "prompts", args.quiet) as bar:
+        report["prompts"] = make_prompts(
+            completer, tokenizer, data_cfg, work / "prompts.jsonl", exclude, bar.update
+        )
+    with _bar(None, "answers", args.quiet) as bar:
+        report["answers"] = make_conversations(
+            completer, tokenizer, data_cfg, work / "prompts.jsonl", work / "conversations.jsonl", bar.update
+        )
+    report["data_seconds"] = round(time.perf_counter() - t0, 1)
+    report["heldout_questions"] = str(write_heldout(work / "prompts.jsonl", work / "heldout-questions.jsonl"))
+    del writer, completer
+
+    # 3. features, in --dtype
+    t0 = time.perf_counter()
+    feature_cfg = FeatureConfig(layer=layer, max_bytes=int(args.max_feature_gb * (1 << 30)))
+    with _bar(None, "features", args.quiet) as bar:
+        manifest = make_features(
+            target.model,
+            tokenizer,
+            work / "conversations.jsonl",
+            work / f"features-l{layer}",
+            feature_cfg,
+            weights_id,
+            bar.update,
+        )
+    report["features"] = {
+        "chunks": len(manifest["chunks"]),
+        "train_tokens": sum(c["answer_tokens"] for c in manifest["chunks"] if c["split"] == "train"),
+        "heldout_tokens": sum(c["answer_tokens"] for c in manifest["chunks"] if c["split"] == "heldout"),
+        "skipped_conversations": manifest.get("skipped_conversations", 0),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+    # 4. the draft vocabulary, 5. training
+    directory = work / f"features-l{layer}"
+    d2t, vocab = draft_vocabulary(directory, min(args.vocab, info.vocab_size), info.eos_token_ids)
+    report["vocabulary"] = vocab
+    train = list(load_sequences(directory, "train"))
+    heldout = list(load_sequences(directory, "heldout"))
+    if not train:
+        raise CliError("no training data was made (see the counts above)")
+    net_cfg = glide_config_for(
+        target.model,
+        len(d2t),
+        target_layer=layer,
+        block_size=args.block_size,
+        cross_attention=not args.vanilla,
+    )
+    train_cfg = TrainConfig(
+        steps=args.steps,
+        tokens_per_batch=args.tokens_per_batch,
+        lr=args.lr,
+        seed=args.seed,
+        device=args.device,
+        max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+    )
+    trainer = GlideTrainer(net_cfg, target.model, d2t, train, heldout, train_cfg)
+    out = Path(args.out)
+    with _bar(args.steps, "train", args.quiet) as bar:
+        bar.update(trainer.step)
+
+        def progress(state: dict[str, Any]) -> None:
+            acc = "/".join(f"{a:.2f}" for a in state["accuracy"]) or "-"
+            bar.set_postfix_str(f"loss {state['loss']:.3f} acc@depth {acc}")
+            bar.update(state["step"] - bar.n)
+
+        result = trainer.fit(out.with_name(out.name + ".train-state.pt"), progress)
+    report["training"] = {
+        "steps": result.steps,
+        "seconds": round(result.seconds, 1),
+        "final_loss": round(result.final_loss, 4),
+        "heldout_top1_by_depth": [round(a, 4) for a in result.heldout_accuracy],
+        "heldout_positions": result.heldout_positions,
+    }
+    command = "specdraft " + shlex.join(getattr(args, "argv", None) or sys.argv[1:])
+    target_record = {"weights_id": weights_id, "name": info.name, "vocab_size": info.vocab_size}
+    meta = {k: report[k] for k in ("vocabulary", "features", "training")}
+    path = trainer.export(out, target_record, command, meta)
+    report["checkpoint"] = str(path)
+    report["seconds"] = round(time.perf_counter() - began, 1)
+    print_json(report, indent=2)
+    return 0

@@ -1,0 +1,127 @@
+"""Learned drafters on disk: ``NAME.safetensors`` (weights, fp16, and the draft vocabulary) beside
+``NAME.json`` (what the network is, which target it was trained for, how it was made).
+
+The JSON carries the target's ``weights_id`` (the same for a float32 and a bfloat16 load of one
+checkpoint): a drafter trained for another model is refused with ``CheckpointMismatchError``. The
+weights file is written first and the JSON last, each atomically, so a reader never sees a JSON
+whose weights are not complete.
+
+Shipped checkpoints live in the package (``llm_worker/data/drafters/WEIGHTS_ID/``); a worker may
+name its own directory (``--drafters-dir``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdraft.common import atomic_path, atomic_write_text, sha256_file
+
+FORMAT = 1
+D2T_KEY = "draft_to_target"  # [V] int64: draft id → target id
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that cannot be read (missing, corrupt, another format)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A drafter checkpoint trained for another target model."""
+
+
+@dataclass(frozen=True)
+class DrafterCheckpoint:
+    kind: str  # "glide"
+    config: dict[str, Any]  # the network's config (``GlideConfig.to_json``)
+    d2t: torch.Tensor  # [V] int64 target id of each draft id
+    weights: dict[str, torch.Tensor]  # the network's state dict
+    target: dict[str, Any]  # {"weights_id", "name", "vocab_size"}
+    command: str = ""  # the exact command that produced it
+    meta: dict[str, Any] = field(default_factory=dict)  # training and vocabulary statistics
+
+
+def save_checkpoint(ckpt: DrafterCheckpoint, stem: str | Path) -> Path:
+    """Write ``stem.safetensors`` then ``stem.json``; returns the JSON's path."""
+    stem = Path(stem)
+    weights_path, json_path = stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in ckpt.weights.items()}
+    tensors[D2T_KEY] = ckpt.d2t.to(torch.int64).contiguous()
+    with atomic_path(weights_path) as tmp:
+        save_file(tensors, str(tmp))
+    record = {
+        "format": FORMAT,
+        "kind": ckpt.kind,
+        "config": ckpt.config,
+        "target": ckpt.target,
+        "command": ckpt.command,
+        "meta": ckpt.meta,
+        "weights": {"file": weights_path.name, "sha256": sha256_file(weights_path)},
+    }
+    atomic_write_text(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return json_path
+
+
+def load_checkpoint(
+    path: str | Path, weights_id: str | None = None, kind: str | None = None
+) -> DrafterCheckpoint:
+    """Read ``path`` (the JSON, or its stem); refuse one made for another target (``weights_id``)
+    or of another kind."""
+    path = Path(path)
+    json_path = path if path.suffix == ".json" else path.with_suffix(".json")
+    try:
+        record = json.loads(json_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"no drafter checkpoint at {json_path}") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{json_path}: not a drafter checkpoint ({exc})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"{json_path}: not a format-{FORMAT} drafter checkpoint")
+    if kind is not None and record.get("kind") != kind:
+        raise CheckpointError(f"{json_path}: a {record.get('kind')!r} checkpoint, not {kind!r}")
+    target = record.get("target") or {}
+    if weights_id is not None and target.get("weights_id") != weights_id:
+        raise CheckpointMismatchError(
+            f"{json_path} was trained for target {target.get('name', '?')!r} (weights "
+            f"{target.get('weights_id', '?')}), not this model (weights {weights_id}); train one with "
+            "`specdraft train glide --model DIR`"
+        )
+    weights_path = json_path.with_name(record["weights"]["file"])
+    if not weights_path.is_file() or sha256_file(weights_path) != record["weights"]["sha256"]:
+        raise CheckpointError(f"{weights_path}: missing or does not match its checksum in {json_path.name}")
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{weights_path}: unreadable ({exc})") from None
+    d2t = tensors.pop(D2T_KEY, None)
+    if d2t is None:
+        raise CheckpointError(f"{weights_path}: no draft vocabulary ({D2T_KEY})")
+    return DrafterCheckpoint(
+        kind=str(record["kind"]),
+        config=dict(record["config"]),
+        d2t=d2t,
+        weights={k: v.float() for k, v in tensors.items()},
+        target=dict(target),
+        command=str(record.get("command", "")),
+        meta=dict(record.get("meta", {})),
+    )
+
+
+def shipped_dir(weights_id: str) -> Path:
+    """Where the package keeps the checkpoints trained for a target."""
+    return Path(str(resources.files("llm_worker") / "data" / "drafters" / weights_id))
+
+
+def find_checkpoint(name: str, weights_id: str, directory: Path | None = None) -> Path | None:
+    """``NAME.json`` in ``directory`` (a worker's ``--drafters-dir``), else the shipped one for
+    ``weights_id``; None if neither exists."""
+    for base in ([directory] if directory is not None else []) + [shipped_dir(weights_id)]:
+        candidate = base / f"{name}.json"
+        if candidate.is_file():
+            return candidate
+    return None

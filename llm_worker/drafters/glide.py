@@ -1,0 +1,240 @@
+"""``glide``, ``glide+cape``: a learned draft network that glimpses the target's KV cache.
+
+Each step the draft network (``glide_net``) first catches up on the committed tokens it has not
+seen (one forward; its own KV cache for committed positions is kept per request), then drafts a
+chain from the root, one token per forward, reading the target's *live* cache of one layer (no
+copy; it ends before the root, as in training's block mask). The chain stops at the step budget,
+at ``depth`` tokens, or when the product of the draft's top-1 probabilities along it falls below
+``min_reach`` (drafting further would rarely pay for the draft's own time).
+
+Greedy requests draft the draft's argmax. Sampled requests sample each chain token from the
+draft's distribution q (the request's temperature / top-k / top-p over the draft vocabulary) with
+the request's noise for that position (``llm_worker.sampling``): the target's own sample at that
+position runs the same race over p, so the draft is right whenever both races have the same
+winner — and the output stays exactly plain sampling's.
+
+CAPE (``glide+cape``): at each depth the next-best draft tokens join as siblings of the chain
+token — how many by the draft's top-1 confidence (``cape``: the extra siblings for confidence in
+(0, .3], (.3, .6], (.6, .8], (.8, 1]; default 7/5/3/1) — and the tree is verified in one forward.
+Verification matches every node against the target's token, so siblings need no special rule.
+
+Every node carries a feature (the draft's probability of it, bucketed) so the planner calibrates
+acceptance by the draft's own confidence and keeps only the nodes that pay for their verify cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llm_worker.drafters.base import (
+    DRAFTERS,
+    DraftContext,
+    Drafter,
+    DraftResources,
+    ModeUnavailableError,
+    UnknownModeError,
+    bucket,
+    float_option,
+    int_option,
+)
+from llm_worker.drafters.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+from llm_worker.drafters.glide_net import GlideConfig, GlideNet, cross_allowed, rope_tables
+from llm_worker.model.target import TargetModel
+from llm_worker.sampling import warp_logits
+from llm_worker.types import ArtifactNeeds, DraftTree
+
+CAPE_BOUNDS = (0.3, 0.6, 0.8, 1.0)
+DEFAULT_CAPE = (7, 5, 3, 1)
+FEATURE_BOUNDS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def cape_siblings(confidence: float, table: tuple[int, ...]) -> int:
+    """Extra siblings at a depth whose top-1 draft probability is ``confidence``:
+    ``cape_siblings(0.5, (7, 5, 3, 1))`` → 5."""
+    for bound, extra in zip(CAPE_BOUNDS, table, strict=True):
+        if confidence <= bound:
+            return extra
+    return table[-1]
+
+
+def parse_cape(raw: str | None) -> tuple[int, ...]:
+    if raw is None:
+        return DEFAULT_CAPE
+    try:
+        table = tuple(int(x) for x in raw.split("/"))
+    except ValueError:
+        raise UnknownModeError(f"cape={raw!r}: four counts like 7/5/3/1") from None
+    if len(table) != len(CAPE_BOUNDS) or any(not 0 <= x <= 16 for x in table):
+        raise UnknownModeError(f"cape={raw!r}: four counts in [0, 16] like 7/5/3/1")
+    return table
+
+
+@dataclass
+class _State:
+    """The draft network's KV for committed positions 0 .. len(tokens) - 1 of one request."""
+
+    tokens: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer [1, kv, len(tokens), d]
+
+
+class GlideDrafter(Drafter):
+    def __init__(
+        self,
+        target: TargetModel,
+        net: GlideNet,
+        d2t: torch.Tensor,
+        depth: int,
+        min_reach: float,
+        cape: tuple[int, ...] | None,
+    ) -> None:
+        self.target = target
+        self.net = net.eval()
+        self.cfg: GlideConfig = net.cfg
+        self.d2t = d2t  # [V] target id of each draft id
+        self.depth, self.min_reach, self.cape = depth, min_reach, cape
+        self.embed = target.model.get_input_embeddings()
+        self.cos, self.sin = rope_tables(target.model, target.info.max_context)
+        self.needs = ArtifactNeeds(kv_layers=frozenset({self.cfg.target_layer}))
+
+    def _forward(
+        self,
+        tokens: list[int],
+        start: int,
+        cached: int,
+        state: _State,
+        target_kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Rows ``tokens`` at positions start.. after ``state.kv`` (``start`` entries); the
+        target's cache holds ``cached`` positions. Returns the last row's draft logits [V] and
+        extends ``state.kv``."""
+        n = len(tokens)
+        positions = torch.arange(start, start + n)
+        x = self.embed(torch.tensor(tokens)).float()[None]  # [1, n, hidden]
+        allowed = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)[None, None]
+        cross = cross_allowed(positions[None], cached, positions.clamp(max=cached)[None])
+        keys, values = target_kv
+        logits, state.kv = self.net(
+            x,
+            self.cos[positions][None],
+            self.sin[positions][None],
+            allowed,
+            (keys[None], values[None]) if self.cfg.cross_attention else None,
+            cross if self.cfg.cross_attention else None,
+            past=state.kv,
+        )
+        return logits[0, -1]
+
+    def _truncate(self, state: _State, length: int) -> None:
+        state.tokens = state.tokens[:length]
+        if state.kv is not None:
+            state.kv = [(k[:, :, :length], v[:, :, :length]) for k, v in state.kv]
+            if length == 0:
+                state.kv = None
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        tokens = [int(t) for t in ctx.tokens]
+        total = len(tokens)
+        cached = total - 1  # the target's cache ends before the root
+        if cached < 1 or ctx.budget < 1:
+            return DraftTree.empty()
+        state = ctx.request_state.drafter
+        if not isinstance(state, _State):
+            state = ctx.request_state.drafter = _State([], None)
+        keep = 0
+        for mine, theirs in zip(state.tokens, tokens[:cached], strict=False):
+            if mine != theirs:
+                break
+            keep += 1
+        self._truncate(state, keep)
+        target_kv = ctx.kv(self.cfg.target_layer)
+        sampled = not ctx.sampling.greedy
+        nodes: list[int] = []
+        parents: list[int] = []
+        features: list[str] = []
+        with torch.inference_mode():
+            logits = self._forward(tokens[keep:], keep, cached, state, target_kv)
+            state.tokens = list(tokens)
+            parent, reach = -1, 1.0
+            limit = min(self.depth, ctx.budget)
+            for depth in range(1, limit + 1):
+                probs = torch.softmax(logits.float(), dim=-1)  # [V] the draft's own distribution
+                top = float(probs.max())
+                if sampled and ctx.noise is not None:
+                    q = warp_logits(logits[None], ctx.sampling)[0]  # [V]
+                    choice = ctx.noise.choose(q, total + depth - 1, ids=self.d2t)
+                else:
+                    choice = int(probs.argmax())
+                chain_node = len(nodes)
+                nodes.append(int(self.d2t[choice]))
+                parents.append(parent)
+                features.append(f"g{bucket(float(probs[choice]), FEATURE_BOUNDS)}")
+                if self.cape is not None:
+                    extra = min(cape_siblings(top, self.cape), ctx.budget - len(nodes))
+                    ranked = torch.topk(probs, min(extra + 1, probs.numel())).indices.tolist()
+                    for alt in [r for r in ranked if r != choice][:extra]:
+                        nodes.append(int(self.d2t[alt]))
+                        parents.append(parent)
+                        features.append(f"g{bucket(float(probs[alt]), FEATURE_BOUNDS)}")
+                reach *= top
+                if depth == limit or reach < self.min_reach or len(nodes) >= ctx.budget:
+                    break
+                parent = chain_node
+                logits = self._forward([int(self.d2t[choice])], total + depth - 1, cached, state, target_kv)
+            self._truncate(state, total)
+        return DraftTree(tuple(nodes), tuple(parents), features=tuple(features))
+
+
+def load_glide(target: TargetModel, name: str, directory: Path | None) -> tuple[GlideNet, torch.Tensor]:
+    """The checkpoint ``name`` for ``target`` (``--drafters-dir`` first, then the shipped one)."""
+    weights_id = target.info.weights_id or target.info.fingerprint
+    path = find_checkpoint(name, weights_id, directory)
+    if path is None:
+        where = f"{directory} or " if directory is not None else ""
+        raise ModeUnavailableError(
+            f"no {name} drafter for this model in {where}the package; train one with `specdraft train glide`"
+        )
+    try:
+        ckpt = load_checkpoint(path, weights_id, kind="glide")
+        cfg = GlideConfig.from_json(ckpt.config)
+    except CheckpointError as exc:
+        raise ModeUnavailableError(str(exc)) from None
+    net = GlideNet(cfg)
+    net.load_state_dict(ckpt.weights)
+    if int(ckpt.d2t.max()) >= target.info.vocab_size or cfg.head_dim != target.info.head_dim:
+        raise ModeUnavailableError(f"{path}: the drafter does not fit this model's vocabulary or heads")
+    return net, ckpt.d2t
+
+
+def _make(target: TargetModel, options: dict[str, str], resources: DraftResources, cape: bool) -> Drafter:
+    vanilla = int_option(options, "vanilla", 0, 0, 1)
+    if target.info.backend not in ("fast", "hf"):
+        raise ModeUnavailableError("glide needs a backend that exposes its KV cache")
+    net, d2t = load_glide(target, "glide-vanilla" if vanilla else "glide", resources.drafters_dir)
+    if target.info.num_layers <= net.cfg.target_layer:
+        raise ModeUnavailableError("the drafter reads a layer this model does not have")
+    depth = int_option(options, "depth", 8, 1, 64)
+    min_reach = float_option(options, "min_reach", 0.05)
+    assert min_reach is not None
+    table = parse_cape(options.get("cape")) if cape else None
+    return GlideDrafter(target, net, d2t, depth, min_reach, table)
+
+
+@DRAFTERS.register(
+    "glide",
+    "a learned draft network reading the target's KV cache (GLIDE)",
+    ("vanilla", "depth", "min_reach"),
+)
+def _make_glide(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
+    return _make(target, options, resources, cape=False)
+
+
+@DRAFTERS.register(
+    "glide+cape",
+    "GLIDE with confidence-aware sibling candidates (CAPE), verified as a tree",
+    ("vanilla", "depth", "min_reach", "cape"),
+)
+def _make_glide_cape(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
+    return _make(target, options, resources, cape=True)

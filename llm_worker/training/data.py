@@ -1,0 +1,456 @@
+"""Prompts and the target's own answers, made here (no data set can be downloaded).
+
+Prompts come from three places:
+
+- *self-generated instructions*: the target gets its chat template up to the start of a user turn
+  and writes the user message itself (sampled, then deduplicated and filtered for length and
+  language: ``keep_instruction``);
+- *tasks over local text*: summarise / explain / rewrite passages of ``/usr/share/doc`` and of the
+  standard library's docstrings and source (modules a benchmark uses can be excluded);
+- *multi-turn follow-ups*: for some conversations the target also writes the user's next turn
+  after its own first answer, and answers that too.
+
+Each prompt lands in the ``train`` or the ``heldout`` split by a hash of its text, so the split
+does not depend on the order or the number of prompts made; training never reads ``heldout``.
+
+Answers are the target's own (greedy for half the conversations, sampled for the other half), made
+in batches with transformers' ``generate`` (left padding). Both files are JSON lines written
+record by record (flushed, fsynced), and a second run skips the ids already written: the pipeline
+resumes after an interruption.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import random
+import re
+import string
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+USER_SLOT = "\x00USER\x00"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How many prompts of each kind, and how answers are made."""
+
+    instructions: int = 600
+    """Self-generated instructions (before deduplication losses, at most this many)."""
+    local_tasks: int = 300
+    """Tasks over local text."""
+    follow_up_fraction: float = 0.25
+    """Share of conversations that get a second, self-generated user turn."""
+    heldout_fraction: float = 0.05
+    max_answer_tokens: int = 192
+    max_instruction_tokens: int = 64
+    batch_size: int = 16
+    sampled_fraction: float = 0.5
+    """Share of conversations answered by sampling (temperature ``temperature``, top-p 0.95)."""
+    temperature: float = 0.8
+    seed: int = 0
+
+
+@dataclass
+class Prompt:
+    id: str
+    kind: str  # "self" | "local"
+    text: str
+    split: str = "train"
+    follow_up: bool = False
+
+
+@dataclass
+class Conversation:
+    id: str
+    kind: str
+    split: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    sampled: bool = False
+
+
+def split_of(text: str, heldout_fraction: float) -> str:
+    """``heldout`` for a stable ``heldout_fraction`` of texts (a hash of the text decides)."""
+    h = int.from_bytes(hashlib.sha256(text.strip().lower().encode()).digest()[:8], "big")
+    return "heldout" if h / 2**64 < heldout_fraction else "train"
+
+
+def keep_instruction(text: str) -> bool:
+    """A usable self-generated instruction: 15–600 characters, at least four words, English-like
+    (printable ASCII almost throughout), no chat-template markup. Example: "Give me three tips for
+    a job interview." → True; "ok" → False."""
+    text = text.strip()
+    if not 15 <= len(text) <= 600 or len(text.split()) < 4:
+        return False
+    if "<|" in text or "|>" in text:
+        return False
+    printable = sum(ch in string.printable for ch in text)
+    return printable / len(text) >= 0.97 and sum(ch.isalpha() for ch in text) / len(text) >= 0.5
+
+
+def normal_key(text: str) -> str:
+    """Deduplication key: lower case, letters and digits only."""
+    return re.sub(r"[^a-z0-9]+", "", text.lower())
+
+
+# -- JSON lines, resumable --------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of ``path``; a trailing partial line (a crash mid-write) is cut off the file."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+class JsonlWriter:
+    """Appends records, each flushed and fsynced before the next."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+# -- generation -------------------------------------------------------------------------------------
+
+
+class Completer:
+    """Batched completions of token prefixes by the target (transformers ``generate``)."""
+
+    def __init__(self, model: Any, tokenizer: Any, eos_ids: Sequence[int], batch_size: int) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids = list(eos_ids)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.batch_size = batch_size
+
+    def complete(
+        self, prefixes: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, seed: int
+    ) -> list[tuple[list[int], bool]]:
+        """Per prefix: the generated ids (the end token cut off) and whether it ended by itself.
+        ``temperature`` 0 = greedy."""
+        results: list[tuple[list[int], bool]] = []
+        for lo in range(0, len(prefixes), self.batch_size):
+            batch = [list(p) for p in prefixes[lo : lo + self.batch_size]]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            torch.manual_seed(seed + lo)
+            kwargs: dict[str, Any] = {"do_sample": False}
+            if temperature > 0:
+                kwargs = {"do_sample": True, "temperature": temperature, "top_p": 0.95, "top_k": 0}
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=self.eos_ids,
+                    pad_token_id=self.pad,
+                    **kwargs,
+                )
+            for row in out[:, width:].tolist():
+                ended = False
+                for i, token in enumerate(row):
+                    if token in self.eos_ids:
+                        row, ended = row[:i], True
+                        break
+                results.append((row, ended))
+        return results
+
+
+def template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def user_turn_prefix(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The chat template of ``messages`` followed by the opening of a user turn, as ids: what the
+    target continues to write a user message itself."""
+    text = tokenizer.apply_chat_template(
+        [*messages, {"role": "user", "content": USER_SLOT}], add_generation_prompt=False, tokenize=False
+    )
+    head = text[: text.index(USER_SLOT)]
+    return list(tokenizer(head, add_special_tokens=False)["input_ids"])
+
+
+def self_instructions(
+    completer: Completer, tokenizer: Any, cfg: DataConfig, count: int, seen: set[str]
+) -> Iterator[str]:
+    """Up to ``count`` new instructions written by the target, each passing ``keep_instruction``
+    and not a duplicate of ``seen`` (which grows). Stops after as many rounds as it takes, at most
+    ``4 · count / batch`` batches."""
+    prefix = user_turn_prefix(tokenizer, [])
+    made, rounds = 0, 0
+    while made < count and rounds < max(4, 4 * count // completer.batch_size + 1):
+        outs = completer.complete(
+            [prefix] * completer.batch_size, cfg.max_instruction_tokens, 1.0, cfg.seed * 1000003 + rounds
+        )
+        rounds += 1
+        for ids, ended in outs:
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            key = normal_key(text)
+            if not ended or not keep_instruction(text) or key in seen:
+                continue
+            seen.add(key)
+            made += 1
+            yield text
+            if made >= count:
+                return
+
+
+# -- tasks over local text --------------------------------------------------------------------------
+
+_TEXT_TASKS = (
+    "Summarize the following text in a few sentences.\n\n{text}",
+    "What are the main points of this text? Answer as a short list.\n\n{text}",
+    "Explain the following passage in simple words for a beginner.\n\n{text}",
+    "Write a short title and a one-paragraph abstract for this text.\n\n{text}",
+    "Rewrite this text to be clearer and more concise.\n\n{text}",
+)
+_CODE_TASKS = (
+    "Explain what this Python code does.\n\n```python\n{text}\n```",
+    "Describe the purpose of each part of this code.\n\n```python\n{text}\n```",
+    "Suggest improvements to this Python code and explain them.\n\n```python\n{text}\n```",
+    "Write a short usage example for this code.\n\n```python\n{text}\n```",
+)
+
+
+def _passages(text: str, lo: int = 300, hi: int = 1200) -> Iterator[str]:
+    """Runs of whole paragraphs between ``lo`` and ``hi`` characters."""
+    chunk: list[str] = []
+    size = 0
+    for para in re.split(r"\n\s*\n", text):
+        para = para.strip()
+        if not para:
+            continue
+        if size + len(para) > hi and size >= lo:
+            yield "\n\n".join(chunk)
+            chunk, size = [], 0
+        if len(para) > hi:
+            continue
+        chunk.append(para)
+        size += len(para) + 2
+    if size >= lo:
+        yield "\n\n".join(chunk)
+
+
+def doc_files(root: Path = Path("/usr/share/doc"), limit_bytes: int = 200_000) -> list[Path]:
+    """Plain-text documentation files under ``root`` (README*, *.txt, *.md), sorted."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.rglob("*")):
+        name = path.name.lower()
+        if not path.is_file() or path.is_symlink() or path.stat().st_size > limit_bytes:
+            continue
+        if name.startswith("readme") or name.endswith((".txt", ".md")):
+            found.append(path)
+    return found
+
+
+def stdlib_modules(exclude: Iterable[str] = ()) -> list[str]:
+    """Pure-Python standard-library modules (top level), minus ``exclude`` (and their children)."""
+    excluded = set(exclude)
+    names = []
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in excluded or name in {"antigravity", "this", "idlelib", "test"}:
+            continue
+        names.append(name)
+    return names
+
+
+def local_passages(
+    exclude_modules: Iterable[str] = (),
+    doc_root: Path = Path("/usr/share/doc"),
+    enough: int | None = None,
+    seed: int = 0,
+) -> list[tuple[str, bool]]:
+    """(passage, is_code) from documentation files and stdlib modules (docstrings and source),
+    sources visited in an order ``seed`` shuffles; stops once ``enough`` are found."""
+    import importlib.util
+
+    rng = random.Random(seed)
+    files, modules = doc_files(doc_root), stdlib_modules(exclude_modules)
+    rng.shuffle(files)
+    rng.shuffle(modules)
+    out: list[tuple[str, bool]] = []
+    for path in files:
+        if enough is not None and len(out) >= enough // 2:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        out.extend((p, False) for p in _passages(text))
+    for name in modules:
+        if enough is not None and len(out) >= enough:
+            break
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        origin = getattr(spec, "origin", None) if spec is not None else None
+        if not origin or not origin.endswith(".py"):
+            continue
+        try:
+            source = Path(origin).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        out.extend((p, False) for p in _passages(ast.get_docstring(tree) or ""))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                block = ast.get_source_segment(source, node) or ""
+                if 300 <= len(block) <= 1500:
+                    out.append((block, True))
+    return out
+
+
+def local_tasks(
+    count: int, seed: int, exclude_modules: Iterable[str] = (), doc_root: Path = Path("/usr/share/doc")
+) -> list[str]:
+    """``count`` task prompts over local passages, chosen and worded by ``seed``."""
+    rng = random.Random(seed)
+    passages = local_passages(exclude_modules, doc_root, enough=3 * count, seed=seed)
+    rng.shuffle(passages)
+    prompts = []
+    for text, is_code in passages[:count]:
+        template = rng.choice(_CODE_TASKS if is_code else _TEXT_TASKS)
+        prompts.append(template.format(text=text))
+    return prompts
+
+
+# -- the pipeline's first two stages ----------------------------------------------------------------
+
+
+def make_prompts(
+    completer: Completer,
+    tokenizer: Any,
+    cfg: DataConfig,
+    out: Path,
+    exclude_modules: Iterable[str] = (),
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, int]:
+    """Append prompts to ``out`` until it holds ``cfg.instructions`` self-generated ones and
+    ``cfg.local_tasks`` local ones (resumes: counts what is there)."""
+    have = read_jsonl(out)
+    seen = {normal_key(r["text"]) for r in have}
+    counts = {"self": 0, "local": 0}
+    for r in have:
+        counts[r["kind"]] = counts.get(r["kind"], 0) + 1
+    writer = JsonlWriter(out)
+    rng = random.Random(cfg.seed)
+    try:
+
+        def add(kind: str, text: str) -> None:
+            number = counts[kind]
+            counts[kind] += 1
+            prompt = Prompt(
+                f"{kind}-{number}",
+                kind,
+                text,
+                split_of(text, cfg.heldout_fraction),
+                follow_up=rng.random() < cfg.follow_up_fraction,
+            )
+            writer.write(prompt.__dict__)
+            if progress is not None:
+                progress(1)
+
+        if counts["local"] < cfg.local_tasks:
+            for text in local_tasks(cfg.local_tasks, cfg.seed, exclude_modules)[counts["local"] :]:
+                if normal_key(text) not in seen:
+                    seen.add(normal_key(text))
+                    add("local", text)
+        if counts["self"] < cfg.instructions:
+            for text in self_instructions(completer, tokenizer, cfg, cfg.instructions - counts["self"], seen):
+                add("self", text)
+    finally:
+        writer.close()
+    return counts
+
+
+def make_conversations(
+    completer: Completer,
+    tokenizer: Any,
+    cfg: DataConfig,
+    prompts: Path,
+    out: Path,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, int]:
+    """The target's answers to every prompt of ``prompts`` not yet in ``out`` (batched: the
+    first turns of a batch together, then the follow-ups together)."""
+    records = [Prompt(**r) for r in read_jsonl(prompts)]
+    done = {r["id"] for r in read_jsonl(out)}
+    todo = [p for p in records if p.id not in done]
+    writer = JsonlWriter(out)
+    written = 0
+    try:
+        for lo in range(0, len(todo), cfg.batch_size):
+            batch = todo[lo : lo + cfg.batch_size]
+            convs = []
+            for p in batch:
+                sampled = split_of("sample:" + p.id, 1.0 - cfg.sampled_fraction) == "train"
+                convs.append(
+                    Conversation(p.id, p.kind, p.split, [{"role": "user", "content": p.text}], sampled)
+                )
+            seed = cfg.seed * 7919 + int(hashlib.sha256(batch[0].id.encode()).hexdigest()[:6], 16)
+            _answer(completer, tokenizer, cfg, convs, seed)
+            follow = [
+                c for c, p in zip(convs, batch, strict=True) if p.follow_up and c.messages[-1]["content"]
+            ]
+            if follow:
+                prefixes = [user_turn_prefix(tokenizer, c.messages) for c in follow]
+                outs = completer.complete(prefixes, cfg.max_instruction_tokens, 1.0, seed + 1)
+                asked = []
+                for conv, (ids, ended) in zip(follow, outs, strict=True):
+                    text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+                    if ended and keep_instruction(text):
+                        conv.messages.append({"role": "user", "content": text})
+                        asked.append(conv)
+                _answer(completer, tokenizer, cfg, asked, seed + 2)
+            for conv in convs:
+                if conv.messages[-1]["role"] == "assistant" and conv.messages[-1]["content"]:
+                    writer.write(conv.__dict__)
+                    written += 1
+            if progress is not None:
+                progress(len(batch))
+    finally:
+        writer.close()
+    return {"prompts": len(records), "skipped": len(done), "written": written}
+
+
+def _answer(
+    completer: Completer, tokenizer: Any, cfg: DataConfig, convs: list[Conversation], seed: int
+) -> None:
+    """Append the target's answer to each conversation (greedy ones, then sampled ones)."""
+    for sampled in (False, True):
+        group = [c for c in convs if c.sampled == sampled]
+        if not group:
+            continue
+        prefixes = [template_ids(tokenizer, c.messages, generation_prompt=True) for c in group]
+        temperature = cfg.temperature if sampled else 0.0
+        outs = completer.complete(prefixes, cfg.max_answer_tokens, temperature, seed + int(sampled))
+        for conv, (ids, _ended) in zip(group, outs, strict=True):
+            conv.messages.append(
+                {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+            )

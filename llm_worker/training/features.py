@@ -1,0 +1,245 @@
+"""Target features cached on disk, and the reduced draft vocabulary.
+
+One teacher-forced pass of the target over each conversation stores, per token, what drafters
+read: the K/V of the chosen layer (as cached: keys after RoPE) and, at answer positions only, the
+final hidden state (after the final norm; the target's logits are recomputed from it through
+its head when training needs them — logits are never stored). All fp16.
+
+Chunks of ``sequences_per_chunk`` conversations, one safetensors file each, per split:
+``features/train-00003.safetensors``. ``features/manifest.json`` lists the finished chunks with
+their sha256 (written atomically after each chunk): a second run verifies them and continues with
+the next; a chunk whose checksum fails is made again. ``max_bytes`` bounds the cache: no chunk
+starts once the chunks on disk reach it.
+
+A chunk holds: ``tokens`` [N] int32 (its conversations concatenated), ``offsets`` [S + 1] int64,
+``loss_mask`` [N] uint8 (1 where the next token is part of an answer), ``keys``/``values``
+[kv_heads, N, head_dim] fp16, ``hidden`` [M, hidden] fp16 at the M positions of ``loss_mask``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llm_worker.training.data import read_jsonl, template_ids
+from specdraft.common import atomic_path, atomic_write_text, sha256_file
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    layer: int
+    """The target layer whose K/V are stored (0-based)."""
+    sequences_per_chunk: int = 32
+    max_tokens: int = 1024
+    """Conversations are cut to this many tokens."""
+    max_bytes: int = 4 << 30
+
+
+def conversation_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]] | None:
+    """The conversation's token ids through the chat template and its loss mask (1 at each
+    position whose next token belongs to an assistant turn, the template's turn end included).
+    None if the template is not prefix-stable for it (the answer's ids could not be located)."""
+    full = template_ids(tokenizer, messages, generation_prompt=False)
+    mask = [0] * len(full)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = template_ids(tokenizer, messages[:i], generation_prompt=True)
+        end = template_ids(tokenizer, messages[: i + 1], generation_prompt=False)
+        if full[: len(start)] != start or full[: len(end)] != end or len(end) <= len(start):
+            return None
+        for p in range(len(start) - 1, len(end) - 1):
+            mask[p] = 1
+    return full, mask
+
+
+def _teacher_forced(
+    model: Any, ids: list[int], layer: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys, values [kv, n, d] of ``layer`` as the target caches them; final hidden [n, hidden]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(
+            input_ids=torch.tensor([ids]),
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+    entry: Any = cache.layers[layer]
+    return entry.keys[0], entry.values[0], out.hidden_states[-1][0]
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / "manifest.json"
+    if not path.exists():
+        return {"chunks": []}
+    return dict(json.loads(path.read_text()))
+
+
+def make_features(
+    model: Any,
+    tokenizer: Any,
+    conversations: Path,
+    directory: Path,
+    cfg: FeatureConfig,
+    weights_id: str,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Cache features of every conversation (chunk by chunk, resumable); the manifest."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(directory)
+    if manifest.get("weights_id", weights_id) != weights_id or manifest.get("layer", cfg.layer) != cfg.layer:
+        raise ValueError(f"{directory} holds features of another target or layer; use another directory")
+    manifest.update(weights_id=weights_id, layer=cfg.layer)
+    good = []
+    for chunk in manifest["chunks"]:
+        path = directory / chunk["file"]
+        if path.is_file() and sha256_file(path) == chunk["sha256"]:
+            good.append(chunk)
+    manifest["chunks"] = good
+    records = read_jsonl(conversations)
+    skipped = 0
+    for split in ("train", "heldout"):
+        items = [r for r in records if r["split"] == split]
+        per = cfg.sequences_per_chunk
+        for number, lo in enumerate(range(0, len(items), per)):
+            name = f"{split}-{number:05d}.safetensors"
+            if any(c["file"] == name for c in good):
+                if progress is not None:
+                    progress(len(items[lo : lo + per]))
+                continue
+            if sum((directory / c["file"]).stat().st_size for c in good) >= cfg.max_bytes:
+                manifest["truncated"] = True
+                break
+            tensors, count, bad = _chunk(model, tokenizer, items[lo : lo + per], cfg)
+            skipped += bad
+            path = directory / name
+            with atomic_path(path) as tmp:
+                save_file(tensors, str(tmp))
+            good.append(
+                {
+                    "file": name,
+                    "split": split,
+                    "sequences": count,
+                    "tokens": int(tensors["tokens"].numel()),
+                    "answer_tokens": int(tensors["hidden"].shape[0]),
+                    "sha256": sha256_file(path),
+                }
+            )
+            manifest["chunks"] = good
+            atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=1))
+            if progress is not None:
+                progress(len(items[lo : lo + per]))
+    manifest["skipped_conversations"] = skipped
+    atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _chunk(
+    model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg: FeatureConfig
+) -> tuple[dict[str, torch.Tensor], int, int]:
+    tokens, masks, keys, values, hidden, offsets = [], [], [], [], [], [0]
+    bad = 0
+    for record in items:
+        made = conversation_ids(tokenizer, record["messages"])
+        if made is None:
+            bad += 1
+            continue
+        ids, mask = made[0][: cfg.max_tokens], made[1][: cfg.max_tokens]
+        if len(ids) < 2:
+            bad += 1
+            continue
+        mask[-1] = 0  # the last position's next token is not in the sequence
+        k, v, h = _teacher_forced(model, ids, cfg.layer)
+        where = torch.tensor(mask, dtype=torch.bool)
+        tokens.append(torch.tensor(ids, dtype=torch.int32))
+        masks.append(where.to(torch.uint8))
+        keys.append(k.to(torch.float16))
+        values.append(v.to(torch.float16))
+        hidden.append(h[where].to(torch.float16))
+        offsets.append(offsets[-1] + len(ids))
+    if not tokens:
+        raise ValueError("no usable conversation in a chunk")
+    return (
+        {
+            "tokens": torch.cat(tokens),
+            "offsets": torch.tensor(offsets, dtype=torch.int64),
+            "loss_mask": torch.cat(masks),
+            "keys": torch.cat(keys, dim=1).contiguous(),
+            "values": torch.cat(values, dim=1).contiguous(),
+            "hidden": torch.cat(hidden).contiguous(),
+        },
+        len(tokens),
+        bad,
+    )
+
+
+@dataclass
+class Sequence_:
+    tokens: torch.Tensor  # [n] long
+    loss_mask: torch.Tensor  # [n] bool
+    keys: torch.Tensor  # [kv, n, d] fp16
+    values: torch.Tensor  # [kv, n, d] fp16
+    hidden: torch.Tensor  # [m, hidden] fp16 at loss positions
+
+
+def load_sequences(directory: Path, split: str) -> Iterator[Sequence_]:
+    """Every cached conversation of ``split``, checksums verified."""
+    manifest = read_manifest(directory)
+    for chunk in manifest["chunks"]:
+        if chunk["split"] != split:
+            continue
+        path = directory / chunk["file"]
+        if sha256_file(path) != chunk["sha256"]:
+            raise ValueError(f"{path}: checksum mismatch; run the feature stage again")
+        t = load_file(str(path))
+        offsets = t["offsets"].tolist()
+        mask = t["loss_mask"].bool()
+        h_at = torch.cumsum(mask.long(), 0)
+        for lo, hi in itertools.pairwise(offsets):
+            h_lo = int(h_at[lo - 1]) if lo else 0
+            h_hi = int(h_at[hi - 1])
+            yield Sequence_(
+                t["tokens"][lo:hi].long(),
+                mask[lo:hi],
+                t["keys"][:, lo:hi],
+                t["values"][:, lo:hi],
+                t["hidden"][h_lo:h_hi],
+            )
+
+
+def draft_vocabulary(
+    directory: Path, size: int, always: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The ``size`` most frequent answer tokens of the training split (plus ``always``, e.g. the
+    end-of-sequence ids) as ``d2t`` [V] (ascending target ids), and its coverage of those tokens."""
+    counts: Counter[int] = Counter()
+    for seq in load_sequences(directory, "train"):
+        nxt = seq.tokens[1:][seq.loss_mask[:-1]]
+        counts.update(nxt.tolist())
+    chosen = [t for t in always]
+    for token, _n in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in chosen)
+    d2t = torch.tensor(sorted(chosen), dtype=torch.int64)
+    return d2t, {
+        "size": len(chosen),
+        "distinct_answer_tokens": len(counts),
+        "answer_tokens": total,
+        "coverage": covered / total if total else 0.0,
+    }

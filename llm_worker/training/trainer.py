@@ -1,0 +1,320 @@
+"""Training a GLIDE drafter on cached target features.
+
+Teacher-forced with GLIDE's block-wise cross mask (each sequence's block grid shifted at random
+every epoch, so every position meets every staleness). Labels are the target's own: its argmax
+over the full vocabulary at each answer position (recomputed once from the cached final hidden
+state through the target's head) for a hard cross-entropy, and its distribution over the draft
+vocabulary for a soft one. AdamW, linear warm-up then cosine decay, gradient clipping.
+
+Progress shows the loss and the held-out top-1 accuracy per draft depth (position in its block:
+depth k sees a cache k positions stale, as the k-th token of a chain does at inference). The
+training state (network, optimiser, step) is saved atomically every ``save_every`` steps and at
+the end; a second run with the same arguments continues from it. Deterministic for a seed on one
+machine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from llm_worker.drafters.checkpoint import DrafterCheckpoint, save_checkpoint
+from llm_worker.drafters.glide_net import (
+    GlideConfig,
+    GlideNet,
+    block_limit,
+    cross_allowed,
+    init_from_target,
+    rope_tables,
+)
+from llm_worker.training.features import Sequence_
+from specdraft.common import atomic_path
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    tokens_per_batch: int = 4096
+    """Padded tokens per optimiser step (sequences are packed up to it)."""
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.03
+    clip: float = 1.0
+    soft_weight: float = 1.0
+    """Weight of the soft cross-entropy to the target's distribution over the draft vocabulary."""
+    eval_every: int = 200
+    save_every: int = 100
+    max_seconds: float | None = None
+    """Stop (state saved, checkpoint exported) after this long."""
+    seed: int = 0
+    device: str = "cpu"
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # [n] long
+    loss_mask: torch.Tensor  # [n] bool
+    keys: torch.Tensor  # [kv, n, d] fp16
+    values: torch.Tensor  # [kv, n, d] fp16
+    hidden: torch.Tensor  # [m, hidden] fp16 at loss positions
+    label: torch.Tensor  # [m] long: the target's argmax (a target id) at loss positions
+
+
+@dataclass
+class TrainReport:
+    steps: int
+    seconds: float
+    final_loss: float
+    heldout_accuracy: list[float] = field(default_factory=list)  # [block_size] top-1 per depth
+    heldout_positions: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+def with_labels(seqs: list[Sequence_], head: torch.Tensor) -> list[Example]:
+    """The target's argmax at every answer position, from its final hidden state and ``head``
+    [vocab, hidden] (computed in blocks, float32)."""
+    out = []
+    for s in seqs:
+        labels = []
+        for lo in range(0, s.hidden.shape[0], 512):
+            labels.append((s.hidden[lo : lo + 512].float() @ head.T).argmax(-1))
+        label = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
+        out.append(Example(s.tokens, s.loss_mask, s.keys, s.values, s.hidden, label))
+    return out
+
+
+def batches(examples: list[Example], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
+    """Indices of ``examples`` packed into batches (similar lengths together, order shuffled)."""
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), rng.random()))
+    out: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        n = len(examples[i].tokens)
+        if current and max(longest, n) * (len(current) + 1) > tokens_per_batch:
+            out.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        out.append(current)
+    rng.shuffle(out)
+    return out
+
+
+class GlideTrainer:
+    """Owns the network, the frozen target pieces (embeddings, head, RoPE) and the data."""
+
+    def __init__(
+        self,
+        net_cfg: GlideConfig,
+        model: Any,
+        d2t: torch.Tensor,
+        train: list[Sequence_],
+        heldout: list[Sequence_],
+        cfg: TrainConfig,
+    ) -> None:
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.net_cfg = cfg, net_cfg
+        self.device = torch.device(cfg.device)
+        self.embed = model.get_input_embeddings().weight.detach().float().to(self.device)
+        head = model.get_output_embeddings().weight.detach().float()
+        self.d2t = d2t.to(self.device)
+        self.t2d = torch.full((head.shape[0],), -1, dtype=torch.long, device=self.device)
+        self.t2d[self.d2t] = torch.arange(len(d2t), device=self.device)
+        self.draft_head = head[d2t].to(self.device)  # [V, hidden]: the target's rows of the draft vocabulary
+        longest = max([len(s.tokens) for s in train + heldout] + [1])
+        cos, sin = rope_tables(model, longest)
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        self.train = with_labels(train, head)
+        self.heldout = with_labels(heldout, head)
+        self.net = GlideNet(net_cfg).to(self.device)
+        init_from_target(self.net, model, d2t, net_cfg.target_layer)
+        self.opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.losses: list[float] = []
+
+    # -- one batch ----------------------------------------------------------------------------
+
+    def _inputs(self, items: list[Example], shifts: list[int]) -> dict[str, torch.Tensor]:
+        b, length = len(items), max(len(e.tokens) for e in items)
+        kv, d = self.net_cfg.num_kv_heads, self.net_cfg.head_dim
+        tokens = torch.zeros(b, length, dtype=torch.long)
+        valid = torch.zeros(b, length, dtype=torch.bool)
+        loss = torch.zeros(b, length, dtype=torch.bool)
+        keys = torch.zeros(b, kv, length, d)
+        values = torch.zeros(b, kv, length, d)
+        hidden, labels = [], []
+        for i, e in enumerate(items):
+            n = len(e.tokens)
+            tokens[i, :n], valid[i, :n], loss[i, :n] = e.tokens, True, e.loss_mask
+            keys[i, :, :n], values[i, :, :n] = e.keys.float(), e.values.float()
+            hidden.append(e.hidden.float())
+            labels.append(e.label)
+        positions = torch.arange(length)[None].expand(b, length)
+        limit = (
+            block_limit(positions, self.net_cfg.block_size, 0)
+            if not shifts
+            else torch.stack(
+                [block_limit(positions[i], self.net_cfg.block_size, s) for i, s in enumerate(shifts)]
+            )
+        )
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        dev = self.device
+        return {
+            "x": self.embed[tokens.to(dev)],
+            "positions": positions.to(dev),
+            "self_allowed": (causal[None] & valid[:, None, :])[:, None].to(dev),
+            "cross": (cross_allowed(positions, length, limit) & valid[:, None, None, :]).to(dev),
+            "keys": keys.to(dev),
+            "values": values.to(dev),
+            "loss": loss.to(dev),
+            "hidden": torch.cat(hidden).to(dev),
+            "labels": torch.cat(labels).to(dev),
+        }
+
+    def _logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        pos = t["positions"]
+        cross = self.net_cfg.cross_attention
+        logits, _ = self.net(
+            t["x"],
+            self.cos[pos],
+            self.sin[pos],
+            t["self_allowed"],
+            (t["keys"], t["values"]) if cross else None,
+            t["cross"] if cross else None,
+        )
+        return logits[t["loss"]]  # [m, V] at loss positions, in sequence order
+
+    def loss(self, items: list[Example], shifts: list[int]) -> torch.Tensor:
+        t = self._inputs(items, shifts)
+        logits = self._logits(t)
+        logp = F.log_softmax(logits.float(), dim=-1)
+        hard = self.t2d[t["labels"]]
+        known = hard >= 0
+        loss = -(logp[known].gather(1, hard[known][:, None])).mean() if known.any() else logp.sum() * 0
+        if self.cfg.soft_weight:
+            p = torch.softmax(t["hidden"] @ self.draft_head.T, dim=-1)  # the target over the draft vocabulary
+            loss = loss + self.cfg.soft_weight * -(p * logp).sum(-1).mean()
+        return loss
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, limit_tokens: int = 1 << 30) -> tuple[list[float], int]:
+        """Held-out top-1 accuracy per depth (1 .. block size), block grid from position 0."""
+        block = self.net_cfg.block_size
+        hits, seen = np.zeros(block), np.zeros(block)
+        done = 0
+        for lo in range(0, len(self.heldout), 4):
+            items = self.heldout[lo : lo + 4]
+            t = self._inputs(items, [])
+            pred = self.d2t[self._logits(t).argmax(-1)]
+            depth = (t["positions"][t["loss"]] % block).cpu().numpy()
+            right = (pred == t["labels"]).cpu().numpy()
+            np.add.at(hits, depth, right)
+            np.add.at(seen, depth, 1)
+            done += int(t["loss"].sum())
+            if done >= limit_tokens:
+                break
+        return [float(h / s) if s else 0.0 for h, s in zip(hits, seen, strict=True)], int(seen.sum())
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def lr_at(self, step: int) -> float:
+        warm = max(1, int(self.cfg.warmup_fraction * self.cfg.steps))
+        if step < warm:
+            return self.cfg.lr * (step + 1) / warm
+        frac = (step - warm) / max(1, self.cfg.steps - warm)
+        return self.cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+    def save_state(self, path: Path) -> None:
+        with atomic_path(path) as tmp:
+            torch.save(
+                {
+                    "net": self.net.state_dict(),
+                    "opt": self.opt.state_dict(),
+                    "step": self.step,
+                    "losses": self.losses,
+                    "net_cfg": self.net_cfg.to_json(),
+                },
+                tmp,
+            )
+
+    def load_state(self, path: Path) -> bool:
+        if not path.exists():
+            return False
+        state = torch.load(path, weights_only=False)
+        if state["net_cfg"] != self.net_cfg.to_json():
+            raise ValueError(f"{path} is the state of another network shape; use another --out")
+        self.net.load_state_dict(state["net"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.losses = int(state["step"]), list(state["losses"])
+        return True
+
+    def fit(self, state_path: Path, progress: Callable[[dict[str, Any]], None] | None = None) -> TrainReport:
+        cfg = self.cfg
+        began = time.perf_counter()
+        self.load_state(state_path)
+        accuracy: list[float] = []
+        epoch_batches: list[list[int]] = []
+        epoch = -1
+        while self.step < cfg.steps:
+            per_epoch = len(batches(self.train, cfg.tokens_per_batch, random.Random(0)))
+            if self.step // per_epoch != epoch:
+                epoch = self.step // per_epoch
+                rng = random.Random(cfg.seed * 1000 + epoch)
+                epoch_batches = batches(self.train, cfg.tokens_per_batch, rng)
+                shifts = {i: rng.randrange(self.net_cfg.block_size) for i in range(len(self.train))}
+            chosen = epoch_batches[self.step % per_epoch]
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr_at(self.step)
+            self.net.train()
+            loss = self.loss([self.train[i] for i in chosen], [shifts[i] for i in chosen])
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.clip)
+            self.opt.step()
+            self.step += 1
+            self.losses.append(float(loss.detach()))
+            stop = cfg.max_seconds is not None and time.perf_counter() - began > cfg.max_seconds
+            if self.step % cfg.eval_every == 0 and self.heldout:
+                self.net.eval()
+                accuracy, _ = self.evaluate(limit_tokens=20000)
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps or stop:
+                self.save_state(state_path)
+            if progress is not None:
+                progress({"step": self.step, "loss": self.losses[-1], "accuracy": accuracy})
+            if stop:
+                break
+        self.net.eval()
+        accuracy, positions = self.evaluate() if self.heldout else ([], 0)
+        return TrainReport(
+            self.step,
+            time.perf_counter() - began,
+            self.losses[-1] if self.losses else float("nan"),
+            accuracy,
+            positions,
+            self.losses,
+        )
+
+    def export(self, stem: Path, target: dict[str, Any], command: str, meta: dict[str, Any]) -> Path:
+        ckpt = DrafterCheckpoint(
+            kind="glide",
+            config=self.net_cfg.to_json(),
+            d2t=self.d2t.cpu(),
+            weights={k: v.cpu() for k, v in self.net.state_dict().items()},
+            target=target,
+            command=command,
+            meta={**meta, "train_config": asdict(self.cfg)},
+        )
+        return save_checkpoint(ckpt, stem)

@@ -1,0 +1,219 @@
+"""GLIDE and CAPE on tiny models: greedy identity with ``ar`` and the exact sampling distribution,
+with drafts accepted; checkpoints (round trip, another model refused, corruption); the pieces of
+the network's masks and CAPE's table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.glide import train_tiny_glide
+from helpers.models import (
+    CPU_LIKE_CURVE,
+    FLAT_CURVE,
+    DraftTally,
+    assert_greedy_identical,
+    prompts,
+    tiny_model,
+)
+from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution, sample_counts
+from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
+from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError, UnknownModeError
+from llm_worker.drafters.checkpoint import CheckpointMismatchError, load_checkpoint
+from llm_worker.drafters.glide import cape_siblings, parse_cape
+from llm_worker.drafters.glide_net import GlideConfig, GlideNet, block_limit, cross_allowed
+from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.model import wrap_model
+from llm_worker.planner import CostCurve
+
+MODES = ["glide", "glide:vanilla=1", "glide+cape"]
+
+
+@pytest.fixture(scope="module")
+def tiny_glide(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
+    """A tiny Llama and a directory with its trained ``glide`` and ``glide-vanilla`` (a draft
+    vocabulary of 64 of its 96 tokens)."""
+    model = tiny_model("llama", vocab=96)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    out = tmp_path_factory.mktemp("glide")
+    train_tiny_glide(model, target.info, out, vocab=64)
+    train_tiny_glide(model, target.info, out, vocab=64, vanilla=True)
+    return model, out
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+@pytest.mark.parametrize("curve", [FLAT_CURVE, CPU_LIKE_CURVE], ids=["flat", "cpu"])
+def test_greedy_equals_ar_and_drafts_are_accepted(
+    tiny_glide: tuple[object, Path], backend: str, curve: CostCurve
+) -> None:
+    model, directory = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend=backend))
+    engine = Engine(target, EngineConfig(), curve=curve, resources=DraftResources(drafters_dir=directory))
+    tally = DraftTally()
+    for i, prompt in enumerate(prompts(target.info.vocab_size)):
+        ref = engine.generate(GenerationRequest(tuple(prompt), 64, "ar")).token_ids
+        for mode in MODES:
+            res = engine.generate(GenerationRequest(tuple(prompt), 64, mode))
+            assert_greedy_identical(target, prompt, ref, res.token_ids, f"{backend}/{mode}/prompt{i}")
+            tally.observe(mode, res.stats)
+    tally.assert_every_mode_drafted_and_accepted(backend)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["t1", "t0.7-k5-p0.9"],
+)
+def test_sampling_matches_the_exact_distribution(params: SamplingParams, tmp_path: Path) -> None:
+    model = tiny_model("llama", vocab=VOCAB, seed=3)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    train_tiny_glide(model, target.info, tmp_path, steps=60, vocab=6)  # two tokens the draft cannot name
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    dist = exact_distribution(model, prompt, params)
+    engine = Engine(target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(drafters_dir=tmp_path))
+    for mode in ["glide", "glide+cape"]:
+        counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
+        p = chi_square_p(counts, dist, SAMPLES)
+        assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
+        assert drafted > SAMPLES // 4, f"{mode} hardly drafted ({drafted})"
+        assert accepted > 0, f"{mode}: no draft was ever accepted"
+
+
+def test_training_loss_falls_and_resume_continues(tmp_path: Path) -> None:
+    model = tiny_model("llama", vocab=96)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    _, trainer = train_tiny_glide(model, target.info, tmp_path, steps=40)
+    first, last = sum(trainer.losses[:5]) / 5, sum(trainer.losses[-5:]) / 5
+    assert last < first * 0.9, (first, last)
+    # a second run with more steps starts where the first stopped
+    _, resumed = train_tiny_glide(model, target.info, tmp_path, steps=50)
+    assert len(resumed.losses) == 50 and resumed.losses[:40] == trainer.losses
+
+
+def test_checkpoint_round_trips(tiny_glide: tuple[object, Path]) -> None:
+    model, directory = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    ckpt = load_checkpoint(directory / "glide.json", target.info.weights_id)
+    assert ckpt.kind == "glide" and len(ckpt.d2t) == 64 and ckpt.command
+    net = GlideNet(GlideConfig.from_json(ckpt.config))
+    net.load_state_dict(ckpt.weights)  # every tensor present, shapes right
+    # stored in fp16: reloaded weights are the fp16 roundings
+    state = torch.load(directory / "glide.train-state.pt", weights_only=False)["net"]
+    for key, value in state.items():
+        assert torch.equal(ckpt.weights[key], value.half().float()), key
+
+
+def test_another_models_checkpoint_is_refused(tiny_glide: tuple[object, Path]) -> None:
+    _, directory = tiny_glide
+    other = wrap_model(tiny_model("llama", vocab=96, seed=5), None, ModelConfig(backend="fast"))
+    with pytest.raises(CheckpointMismatchError, match="trained for target"):
+        load_checkpoint(directory / "glide.json", other.info.weights_id)
+    with pytest.raises(ModeUnavailableError, match="trained for target"):
+        DRAFTERS.create("glide", other, DraftResources(drafters_dir=directory))
+
+
+def test_corrupt_or_missing_checkpoint_is_unavailable(
+    tiny_glide: tuple[object, Path], tmp_path: Path
+) -> None:
+    model, directory = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    with pytest.raises(ModeUnavailableError, match="no glide drafter"):
+        DRAFTERS.create("glide", target, DraftResources(drafters_dir=tmp_path))
+    for name in ("glide.json", "glide.safetensors"):
+        (tmp_path / name).write_bytes((directory / name).read_bytes())
+    data = bytearray((tmp_path / "glide.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (tmp_path / "glide.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ModeUnavailableError, match="checksum"):
+        DRAFTERS.create("glide", target, DraftResources(drafters_dir=tmp_path))
+    (tmp_path / "glide.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(ModeUnavailableError, match="not a format-1"):
+        DRAFTERS.create("glide", target, DraftResources(drafters_dir=tmp_path))
+
+
+def test_mode_options_are_checked(tiny_glide: tuple[object, Path]) -> None:
+    model, directory = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    resources = DraftResources(drafters_dir=directory)
+    DRAFTERS.create("glide+cape:cape=3/2/1/0:depth=4", target, resources)
+    for bad in ("glide:cape=1/1/1/1", "glide+cape:cape=9", "glide+cape:cape=a/b/c/d", "glide:depth=0"):
+        with pytest.raises(UnknownModeError):
+            DRAFTERS.create(bad, target, resources)
+
+
+def test_cape_table() -> None:
+    assert [cape_siblings(c, (7, 5, 3, 1)) for c in (0.05, 0.3, 0.31, 0.7, 0.8, 0.95)] == [7, 7, 5, 3, 3, 1]
+    assert parse_cape(None) == (7, 5, 3, 1) and parse_cape("4/3/2/0") == (4, 3, 2, 0)
+
+
+def test_block_mask_makes_the_cache_stale_like_a_chain() -> None:
+    positions = torch.arange(12)[None]
+    assert block_limit(positions, 5)[0].tolist() == [0, 0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10]
+    assert block_limit(positions, 5, shift=2)[0].tolist()[:8] == [-3, -3, 2, 2, 2, 2, 2, 7]
+    allowed = cross_allowed(positions, 12, block_limit(positions, 5))[0, 0]  # [12 queries, 12 keys]
+    assert allowed[7].tolist() == [True] * 5 + [False] * 7  # block 1 sees block 0 only
+    assert allowed[2].tolist() == [True] + [False] * 11  # the first block sees position 0
+
+
+def test_train_command_end_to_end_resumes_and_serves(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``specdraft train glide`` on a tiny model: prompts, answers, features, vocabulary, a few
+    steps, a checkpoint; a second run with more steps continues; ``generate`` then runs the mode."""
+    from client.cli import main
+
+    out = tmp_path / "out" / "glide"
+    argv = ["train", "glide", "--model", str(tiny_dir), "--work", str(tmp_path / "work"), "--out", str(out)]
+    argv += [
+        "--instructions",
+        "2",
+        "--local-tasks",
+        "6",
+        "--max-answer-tokens",
+        "16",
+        "--generate-batch",
+        "8",
+    ]
+    argv += ["--vocab", "512", "--tokens-per-batch", "1024", "--data-dtype", "float32"]
+    argv += ["--heldout-fraction", "0.3", "--quiet"]
+    assert main([*argv, "--steps", "3"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["answers"]["written"] >= 6 and first["features"]["train_tokens"] > 0
+    assert first["vocabulary"]["coverage"] == 1.0 and first["training"]["steps"] == 3
+    heldout = Path(first["heldout_questions"]).read_text().splitlines()
+    assert heldout and all(json.loads(line)["category"].startswith("heldout-") for line in heldout)
+    assert main([*argv, "--steps", "5"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["answers"]["skipped"] == first["answers"]["written"]  # nothing generated twice
+    assert second["training"]["steps"] == 5
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["command"].startswith("specdraft train glide") and "--steps 5" in record["command"]
+    gen = ["generate", "--model", str(tiny_dir), "--mode", "glide", "--drafters-dir", str(out.parent)]
+    assert main([*gen, "--max-new-tokens", "8", "--json", "hello"]) == 0
+    assert json.loads(capsys.readouterr().out)["mode"] == "glide"
+
+
+def test_acceptance_by_depth() -> None:
+    from llm_worker.stats import GenerationStats
+
+    s = GenerationStats()
+    s.observe_depths(4, 2)  # reaches 1..3, passes 1..2
+    s.observe_depths(2, 0)  # reaches 1
+    s.observe_depths(3, 3)  # reaches and passes 1..3
+    assert s.depth_reached == [3, 2, 2] and s.depth_accepted == [2, 2, 1]
+    assert s.to_json()["acceptance_by_depth"] == [round(2 / 3, 4), 1.0, 0.5]
+
+
+def test_shipped_checkpoints_are_small_and_say_how_they_were_made() -> None:
+    from llm_worker.drafters.checkpoint import load_checkpoint, shipped_dir
+
+    root = shipped_dir("x").parent
+    shipped = sorted(root.glob("*/*.json"))
+    assert shipped, "no learned drafter ships with the package"
+    for path in shipped:
+        assert path.with_suffix(".safetensors").stat().st_size <= 20 * 2**20, path
+        ckpt = load_checkpoint(path, path.parent.name)  # the directory is the target's weights id
+        assert ckpt.command.startswith("specdraft train glide"), ckpt.command
