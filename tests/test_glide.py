@@ -217,3 +217,25 @@ def test_shipped_checkpoints_are_small_and_say_how_they_were_made() -> None:
         assert path.with_suffix(".safetensors").stat().st_size <= 20 * 2**20, path
         ckpt = load_checkpoint(path, path.parent.name)  # the directory is the target's weights id
         assert ckpt.command.startswith("specdraft train glide"), ckpt.command
+
+
+def test_logits_of_chosen_rows_equal_those_of_every_row() -> None:
+    """The trainer asks for logits at loss positions only; they are the full forward's rows."""
+    cfg = GlideConfig(32, 64, 4, 2, 8, draft_vocab=20, target_layer=0)
+    torch.manual_seed(0)
+    net = GlideNet(cfg).eval()
+    x, cos, sin = torch.randn(2, 6, 32), torch.ones(2, 6, 8), torch.zeros(2, 6, 8)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    kv = (torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8))
+    cross = cross_allowed(torch.arange(6)[None].expand(2, 6), 6, block_limit(torch.arange(6)[None], 3))
+    rows = torch.rand(2, 6) > 0.5
+    full, _ = net(x, cos, sin, allowed, kv, cross)
+    chosen, _ = net(x, cos, sin, allowed, kv, cross, rows=rows)
+    torch.testing.assert_close(chosen, full[rows])
+
+
+def test_bulk_dtype_is_measured_and_one_of_the_candidates() -> None:
+    from llm_worker.model.kernels import fastest_dtype
+
+    assert fastest_dtype([torch.float32], 4, 16, 16) == torch.float32
+    assert fastest_dtype([torch.float32, torch.bfloat16], 8, 64, 64) in (torch.float32, torch.bfloat16)

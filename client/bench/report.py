@@ -20,7 +20,8 @@ def _fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
 def render_table(report: dict[str, Any], console: Console) -> None:
     modes = report["modes"]
     table = Table(title="specdraft bench — all modes in one process, interleaved", title_justify="left")
-    for col in ("mode", "tok/s", "vs ar", "vs hf-ar", "vs hf-pld", "τ", "accept", "identical to ar"):
+    columns = ("mode", "tok/s", "vs ar", "vs hf-ar", "vs hf-pld", "τ", "accept", "draft c", "identical to ar")
+    for col in columns:
         table.add_column(col, justify="left" if col == "mode" else "right")
     for mode, m in modes.items():
         same = f"{m['outputs_identical_to_ar']}/{m['outputs']}"
@@ -32,6 +33,7 @@ def render_table(report: dict[str, Any], console: Console) -> None:
             _fmt(m.get("speedup_vs_hf-pld"), 2, "×"),
             _fmt(m["tau"], 2),
             _fmt(m["acceptance_rate"], 2),
+            _fmt(m.get("draft_cost"), 3),
             ("yes " if m["identical_to_ar"] else "NO ") + same,
         )
     console.print(table)

@@ -45,8 +45,10 @@ class Tally:
     prefill_seconds: float | None = 0.0  # None once an outcome did not report it
     depth_reached: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
 
     def add(self, o: RunOutcome, identical: bool) -> None:
+        self.draft_seconds += o.draft_seconds
         for d, (r, a) in enumerate(zip(o.depth_reached, o.depth_accepted, strict=True)):
             if d == len(self.depth_reached):
                 self.depth_reached.append(0)
@@ -76,6 +78,16 @@ class Tally:
             return None
         return (self.new_tokens - self.outputs) / (self.seconds - self.prefill_seconds)
 
+    def draft_cost(self, ar: Tally | None) -> float | None:
+        """c: drafting seconds per drafted token ÷ ``ar``'s seconds per decoded token (what one
+        draft token costs in target forwards; planning and a drafter's catch-up included)."""
+        if not self.drafted or ar is None:
+            return None
+        per_ar_token = ar.decode_tokens_per_second or ar.tokens_per_second
+        if not per_ar_token:
+            return None
+        return round(self.draft_seconds / self.drafted * per_ar_token, 4)
+
     def summary(self, ar: Tally | None) -> dict[str, Any]:
         tps = self.tokens_per_second
         return {
@@ -86,6 +98,7 @@ class Tally:
             "acceptance_by_depth": [
                 round(a / r, 3) for a, r in zip(self.depth_accepted[:8], self.depth_reached[:8], strict=True)
             ],
+            "draft_cost": self.draft_cost(ar),
             "identical_to_ar": self.identical == self.outputs,
             "outputs": self.outputs,
             "outputs_identical_to_ar": self.identical,

@@ -34,6 +34,7 @@ class RunOutcome:
     prefill_seconds: float | None = None  # None: not known (transformers' generate)
     depth_reached: list[int] = field(default_factory=list)  # per draft depth (``GenerationStats``)
     depth_accepted: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0  # proposing and planning drafts (``GenerationStats``)
 
 
 Runner = Callable[[list[int], int], RunOutcome]
@@ -52,6 +53,7 @@ def engine_runner(engine: Engine, mode: str) -> Runner:
             s.prefill_seconds,
             list(s.depth_reached),
             list(s.depth_accepted),
+            s.draft_seconds,
         )
 
     return run

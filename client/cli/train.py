@@ -24,9 +24,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--vanilla", action="store_true", help="the ablation without cross-attention")
     g.add_argument(
         "--data-dtype",
-        default="bfloat16",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype the target writes prompts and answers in (features use --dtype)",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype the target writes prompts and answers in (features use --dtype); auto: the faster "
+        "of float32 and bfloat16 on this machine, measured",
     )
     g.add_argument("--instructions", type=int, default=600, help="self-generated instructions")
     g.add_argument("--local-tasks", type=int, default=300, help="tasks over local text")
@@ -107,6 +108,15 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
         batch_size=args.generate_batch,
         seed=args.seed,
     )
+    if args.data_dtype == "auto":
+        from llm_worker.model.kernels import fastest_dtype
+
+        width = info.hidden_size
+        chosen = fastest_dtype(
+            [torch.float32, torch.bfloat16], args.generate_batch, width, 3 * width, args.device
+        )
+        args.data_dtype = str(chosen).removeprefix("torch.")
+    report["data_dtype"] = args.data_dtype
     writer = target
     if args.data_dtype != args.dtype:
         writer, _ = load_model(model_config(argparse.Namespace(**{**vars(args), "dtype": args.data_dtype})))

@@ -167,22 +167,29 @@ class GlideNet(nn.Module):
         target_kv: tuple[torch.Tensor, torch.Tensor] | None,  # the target's cached K/V [B, kv, S, d]
         cross_mask: torch.Tensor | None,  # [B|1, 1, L, S] bool
         past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,  # per layer [B, kv, P, d]
+        rows: torch.Tensor | None = None,  # [B, L] bool: the rows whose logits are wanted
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Logits over the draft vocabulary [B, L, V] and each layer's K/V (past + these rows)."""
+        """Logits over the draft vocabulary and each layer's K/V (past + these rows). Logits are
+        [B, L, V], or [m, V] for the m rows of ``rows`` (in order): the head, the network's
+        largest matrix, then runs on those rows only."""
         cos, sin = cos[:, None], sin[:, None]
         present = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, past[i] if past else None, self_allowed, target_kv, cross_mask)
             present.append(kv)
+        if rows is not None:
+            x = x[rows]
         return self.head(self.norm(x)), present
 
 
 def init_from_target(net: GlideNet, model: Any, d2t: torch.Tensor, layer_index: int) -> None:
-    """Warm start: every draft layer from the target's decoder layer ``layer_index`` (self and
-    cross attention from its attention, the MLP from its MLP), the final norm from the target's,
-    and the head from the target's output rows of the draft vocabulary ``d2t`` [V]."""
+    """Warm start: every draft layer's self-attention and MLP from the target's decoder layer
+    ``layer_index``, its cross-attention from the attention of the layer it reads (whose cached
+    keys its query must match), the final norm from the target's, and the head from the target's
+    output rows of the draft vocabulary ``d2t`` [V]."""
     source = model.model.layers[layer_index]
     attn, mlp = source.self_attn, source.mlp
+    read = model.model.layers[net.cfg.target_layer]
     with torch.no_grad():
         for layer in net.layers:
             assert isinstance(layer, _Layer)
@@ -191,9 +198,9 @@ def init_from_target(net: GlideNet, model: Any, d2t: torch.Tensor, layer_index: 
                 mine.weight.copy_(theirs.weight.float())
             layer.o.weight.copy_(attn.o_proj.weight.float())
             if net.cfg.cross_attention:
-                layer.ln_cross.weight.copy_(source.input_layernorm.weight.float())
-                layer.cq.weight.copy_(attn.q_proj.weight.float())
-                layer.co.weight.copy_(attn.o_proj.weight.float())
+                layer.ln_cross.weight.copy_(read.input_layernorm.weight.float())
+                layer.cq.weight.copy_(read.self_attn.q_proj.weight.float())
+                layer.co.weight.copy_(read.self_attn.o_proj.weight.float())
             layer.ln_mlp.weight.copy_(source.post_attention_layernorm.weight.float())
             layer.gate.weight.copy_(mlp.gate_proj.weight.float())
             layer.up.weight.copy_(mlp.up_proj.weight.float())

@@ -1,9 +1,10 @@
 """Target features cached on disk, and the reduced draft vocabulary.
 
 One teacher-forced pass of the target over each conversation stores, per token, what drafters
-read: the K/V of the chosen layer (as cached: keys after RoPE) and, at answer positions only, the
-final hidden state (after the final norm; the target's logits are recomputed from it through
-its head when training needs them — logits are never stored). All fp16.
+read: the K/V of the chosen layer (as cached: keys after RoPE) and the final hidden state (after
+the final norm; the target's logits are recomputed from it through its head when training needs
+them — logits are never stored) at every position that has a next token, or at answer positions
+only (``FeatureConfig.hidden_everywhere``). All fp16.
 
 Chunks of ``sequences_per_chunk`` conversations, one safetensors file each, per split:
 ``features/train-00003.safetensors``. ``features/manifest.json`` lists the finished chunks with
@@ -12,8 +13,10 @@ the next; a chunk whose checksum fails is made again. ``max_bytes`` bounds the c
 starts once the chunks on disk reach it.
 
 A chunk holds: ``tokens`` [N] int32 (its conversations concatenated), ``offsets`` [S + 1] int64,
-``loss_mask`` [N] uint8 (1 where the next token is part of an answer), ``keys``/``values``
-[kv_heads, N, head_dim] fp16, ``hidden`` [M, hidden] fp16 at the M positions of ``loss_mask``.
+``loss_mask`` [N] uint8 (1 where the next token is part of an answer), ``hidden_mask`` [N] uint8
+(1 where the hidden state is stored; absent in older chunks, where it is ``loss_mask``),
+``keys``/``values`` [kv_heads, N, head_dim] fp16, ``hidden`` [M, hidden] fp16 at the M positions
+of ``hidden_mask``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class FeatureConfig:
     max_tokens: int = 1024
     """Conversations are cut to this many tokens."""
     max_bytes: int = 4 << 30
+    hidden_everywhere: bool = True
+    """Store the final hidden state at every position with a next token (prompts too: the
+    target's predictions there are extra labels for free), not only at answer positions."""
 
 
 def conversation_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]] | None:
@@ -133,7 +139,8 @@ def make_features(
                     "split": split,
                     "sequences": count,
                     "tokens": int(tensors["tokens"].numel()),
-                    "answer_tokens": int(tensors["hidden"].shape[0]),
+                    "answer_tokens": int(tensors["loss_mask"].sum()),
+                    "labelled_tokens": int(tensors["hidden"].shape[0]),
                     "sha256": sha256_file(path),
                 }
             )
@@ -149,7 +156,7 @@ def make_features(
 def _chunk(
     model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg: FeatureConfig
 ) -> tuple[dict[str, torch.Tensor], int, int]:
-    tokens, masks, keys, values, hidden, offsets = [], [], [], [], [], [0]
+    tokens, masks, hidden_masks, keys, values, hidden, offsets = [], [], [], [], [], [], [0]
     bad = 0
     for record in items:
         made = conversation_ids(tokenizer, record["messages"])
@@ -162,9 +169,13 @@ def _chunk(
             continue
         mask[-1] = 0  # the last position's next token is not in the sequence
         k, v, h = _teacher_forced(model, ids, cfg.layer)
-        where = torch.tensor(mask, dtype=torch.bool)
+        answers = torch.tensor(mask, dtype=torch.bool)
+        where = answers.clone()
+        if cfg.hidden_everywhere:
+            where[:-1] = True
         tokens.append(torch.tensor(ids, dtype=torch.int32))
-        masks.append(where.to(torch.uint8))
+        masks.append(answers.to(torch.uint8))
+        hidden_masks.append(where.to(torch.uint8))
         keys.append(k.to(torch.float16))
         values.append(v.to(torch.float16))
         hidden.append(h[where].to(torch.float16))
@@ -176,6 +187,7 @@ def _chunk(
             "tokens": torch.cat(tokens),
             "offsets": torch.tensor(offsets, dtype=torch.int64),
             "loss_mask": torch.cat(masks),
+            "hidden_mask": torch.cat(hidden_masks),
             "keys": torch.cat(keys, dim=1).contiguous(),
             "values": torch.cat(values, dim=1).contiguous(),
             "hidden": torch.cat(hidden).contiguous(),
@@ -188,10 +200,11 @@ def _chunk(
 @dataclass
 class Sequence_:
     tokens: torch.Tensor  # [n] long
-    loss_mask: torch.Tensor  # [n] bool
+    loss_mask: torch.Tensor  # [n] bool: the next token belongs to an answer
     keys: torch.Tensor  # [kv, n, d] fp16
     values: torch.Tensor  # [kv, n, d] fp16
-    hidden: torch.Tensor  # [m, hidden] fp16 at loss positions
+    hidden: torch.Tensor  # [m, hidden] fp16 at the positions of hidden_mask
+    hidden_mask: torch.Tensor  # [n] bool: where ``hidden`` has a row (loss_mask ⊆ hidden_mask)
 
 
 def load_sequences(directory: Path, split: str) -> Iterator[Sequence_]:
@@ -206,7 +219,8 @@ def load_sequences(directory: Path, split: str) -> Iterator[Sequence_]:
         t = load_file(str(path))
         offsets = t["offsets"].tolist()
         mask = t["loss_mask"].bool()
-        h_at = torch.cumsum(mask.long(), 0)
+        hmask = t["hidden_mask"].bool() if "hidden_mask" in t else mask
+        h_at = torch.cumsum(hmask.long(), 0)
         for lo, hi in itertools.pairwise(offsets):
             h_lo = int(h_at[lo - 1]) if lo else 0
             h_hi = int(h_at[hi - 1])
@@ -216,6 +230,7 @@ def load_sequences(directory: Path, split: str) -> Iterator[Sequence_]:
                 t["keys"][:, lo:hi],
                 t["values"][:, lo:hi],
                 t["hidden"][h_lo:h_hi],
+                hmask[lo:hi],
             )
 
 

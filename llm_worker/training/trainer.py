@@ -2,9 +2,11 @@
 
 Teacher-forced with GLIDE's block-wise cross mask (each sequence's block grid shifted at random
 every epoch, so every position meets every staleness). Labels are the target's own: its argmax
-over the full vocabulary at each answer position (recomputed once from the cached final hidden
+over the full vocabulary at each labelled position (recomputed once from the cached final hidden
 state through the target's head) for a hard cross-entropy, and its distribution over the draft
-vocabulary for a soft one. AdamW, linear warm-up then cosine decay, gradient clipping.
+vocabulary for a soft one. Answer positions weigh 1, other labelled positions (the prompts'
+text, where the target's predictions are labels too) ``context_weight``. AdamW, linear warm-up
+then cosine decay, gradient clipping. Held-out accuracy counts answer positions only.
 
 Progress shows the loss and the held-out top-1 accuracy per draft depth (position in its block:
 depth k sees a cache k positions stale, as the k-th token of a chain does at inference). The
@@ -51,22 +53,28 @@ class TrainConfig:
     clip: float = 1.0
     soft_weight: float = 1.0
     """Weight of the soft cross-entropy to the target's distribution over the draft vocabulary."""
+    context_weight: float = 0.5
+    """Loss weight of labelled positions outside the answers (0: answers only)."""
     eval_every: int = 200
     save_every: int = 100
     max_seconds: float | None = None
     """Stop (state saved, checkpoint exported) after this long."""
     seed: int = 0
     device: str = "cpu"
+    init_layer: int | None = None
+    """The target decoder layer the draft layer's self-attention and MLP start from (None: the
+    layer whose cache it reads); its cross-attention always starts from the layer it reads."""
 
 
 @dataclass
 class Example:
     tokens: torch.Tensor  # [n] long
-    loss_mask: torch.Tensor  # [n] bool
+    loss_mask: torch.Tensor  # [n] bool: answer positions
     keys: torch.Tensor  # [kv, n, d] fp16
     values: torch.Tensor  # [kv, n, d] fp16
-    hidden: torch.Tensor  # [m, hidden] fp16 at loss positions
-    label: torch.Tensor  # [m] long: the target's argmax (a target id) at loss positions
+    hidden: torch.Tensor  # [m, hidden] fp16 at labelled positions
+    label: torch.Tensor  # [m] long: the target's argmax (a target id) at labelled positions
+    labelled: torch.Tensor  # [n] bool: positions with a label (hidden state cached)
 
 
 @dataclass
@@ -80,7 +88,7 @@ class TrainReport:
 
 
 def with_labels(seqs: list[Sequence_], head: torch.Tensor) -> list[Example]:
-    """The target's argmax at every answer position, from its final hidden state and ``head``
+    """The target's argmax at every labelled position, from its final hidden state and ``head``
     [vocab, hidden] (computed in blocks, float32)."""
     out = []
     for s in seqs:
@@ -88,7 +96,7 @@ def with_labels(seqs: list[Sequence_], head: torch.Tensor) -> list[Example]:
         for lo in range(0, s.hidden.shape[0], 512):
             labels.append((s.hidden[lo : lo + 512].float() @ head.T).argmax(-1))
         label = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
-        out.append(Example(s.tokens, s.loss_mask, s.keys, s.values, s.hidden, label))
+        out.append(Example(s.tokens, s.loss_mask, s.keys, s.values, s.hidden, label, s.hidden_mask))
     return out
 
 
@@ -138,7 +146,9 @@ class GlideTrainer:
         self.train = with_labels(train, head)
         self.heldout = with_labels(heldout, head)
         self.net = GlideNet(net_cfg).to(self.device)
-        init_from_target(self.net, model, d2t, net_cfg.target_layer)
+        init_from_target(
+            self.net, model, d2t, net_cfg.target_layer if cfg.init_layer is None else cfg.init_layer
+        )
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
         self.losses: list[float] = []
@@ -151,12 +161,14 @@ class GlideTrainer:
         tokens = torch.zeros(b, length, dtype=torch.long)
         valid = torch.zeros(b, length, dtype=torch.bool)
         loss = torch.zeros(b, length, dtype=torch.bool)
+        labelled = torch.zeros(b, length, dtype=torch.bool)
         keys = torch.zeros(b, kv, length, d)
         values = torch.zeros(b, kv, length, d)
         hidden, labels = [], []
         for i, e in enumerate(items):
             n = len(e.tokens)
             tokens[i, :n], valid[i, :n], loss[i, :n] = e.tokens, True, e.loss_mask
+            labelled[i, :n] = e.labelled
             keys[i, :, :n], values[i, :, :n] = e.keys.float(), e.values.float()
             hidden.append(e.hidden.float())
             labels.append(e.label)
@@ -178,6 +190,8 @@ class GlideTrainer:
             "keys": keys.to(dev),
             "values": values.to(dev),
             "loss": loss.to(dev),
+            "labelled": labelled.to(dev),
+            "answer": loss[labelled].to(dev),  # [m]: which labelled rows are answer positions
             "hidden": torch.cat(hidden).to(dev),
             "labels": torch.cat(labels).to(dev),
         }
@@ -192,19 +206,23 @@ class GlideTrainer:
             t["self_allowed"],
             (t["keys"], t["values"]) if cross else None,
             t["cross"] if cross else None,
+            rows=t["labelled"],
         )
-        return logits[t["loss"]]  # [m, V] at loss positions, in sequence order
+        return logits  # [m, V] at labelled positions, in sequence order
 
     def loss(self, items: list[Example], shifts: list[int]) -> torch.Tensor:
         t = self._inputs(items, shifts)
         logits = self._logits(t)
-        logp = F.log_softmax(logits.float(), dim=-1)
+        logp = F.log_softmax(logits.float(), dim=-1)  # [m, V]
+        weight = torch.where(t["answer"], 1.0, self.cfg.context_weight)  # [m]
         hard = self.t2d[t["labels"]]
-        known = hard >= 0
-        loss = -(logp[known].gather(1, hard[known][:, None])).mean() if known.any() else logp.sum() * 0
+        known = (hard >= 0) & (weight > 0)
+        nll = -logp.gather(1, hard.clamp(min=0)[:, None])[:, 0]  # [m]
+        loss = (nll * weight)[known].sum() / weight[known].sum().clamp(min=1e-9)
         if self.cfg.soft_weight:
             p = torch.softmax(t["hidden"] @ self.draft_head.T, dim=-1)  # the target over the draft vocabulary
-            loss = loss + self.cfg.soft_weight * -(p * logp).sum(-1).mean()
+            soft = -(p * logp).sum(-1)  # [m]
+            loss = loss + self.cfg.soft_weight * (soft * weight).sum() / weight.sum().clamp(min=1e-9)
         return loss
 
     # -- evaluation ---------------------------------------------------------------------------
@@ -218,9 +236,10 @@ class GlideTrainer:
         for lo in range(0, len(self.heldout), 4):
             items = self.heldout[lo : lo + 4]
             t = self._inputs(items, [])
-            pred = self.d2t[self._logits(t).argmax(-1)]
+            answer = t["answer"]
+            pred = self.d2t[self._logits(t).argmax(-1)][answer]
             depth = (t["positions"][t["loss"]] % block).cpu().numpy()
-            right = (pred == t["labels"]).cpu().numpy()
+            right = (pred == t["labels"][answer]).cpu().numpy()
             np.add.at(hits, depth, right)
             np.add.at(seen, depth, 1)
             done += int(t["loss"].sum())

@@ -29,7 +29,9 @@ def own_sequences(model: Any, count: int, seed: int, prompt_len: int = 12, new: 
         k, v, h = _teacher_forced(model, ids, layer)
         mask = torch.zeros(len(ids), dtype=torch.bool)
         mask[prompt_len - 1 : -1] = True
-        out.append(Sequence_(torch.tensor(ids), mask, k.half(), v.half(), h[mask].half()))
+        labelled = torch.ones(len(ids), dtype=torch.bool)
+        labelled[-1] = False  # the last position has no next token
+        out.append(Sequence_(torch.tensor(ids), mask, k.half(), v.half(), h[labelled].half(), labelled))
     return out
 
 
