@@ -100,7 +100,9 @@ chaos: setup test-deps
 # answers and features under the cache (resumable), then the network and its ablation without
 # cross-attention. Here: about TRAIN_MINUTES of training each after ~25 min of data on 2 cores.
 GLIDE_DIR ?= llm_worker/data/drafters/de7dc0073f16aefd
-TRAIN_ARGS ?= --instructions 250 --local-tasks 150 --generate-batch 48 --steps 400
+# The defaults of that time are spelled out (the learning rate's default is now 3e-3).
+TRAIN_ARGS ?= --instructions 250 --local-tasks 150 --generate-batch 48 --steps 400 --lr 0.0003 \
+  --data-dtype bfloat16
 TRAIN_MINUTES ?= 25
 train-glide: setup
 	$(VENV)/bin/specdraft train glide $(TRAIN_ARGS) --max-minutes $(TRAIN_MINUTES) --out $(GLIDE_DIR)/glide

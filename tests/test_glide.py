@@ -239,3 +239,21 @@ def test_bulk_dtype_is_measured_and_one_of_the_candidates() -> None:
 
     assert fastest_dtype([torch.float32], 4, 16, 16) == torch.float32
     assert fastest_dtype([torch.float32, torch.bfloat16], 8, 64, 64) in (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("context_weight", [0.0, 0.5])
+def test_prompt_positions_are_labels_only_when_weighted(context_weight: float) -> None:
+    from helpers.glide import own_sequences
+    from llm_worker.drafters.glide_net import glide_config_for
+    from llm_worker.training.trainer import GlideTrainer, TrainConfig
+
+    model = tiny_model("llama", vocab=96)
+    seqs = own_sequences(model, 4, seed=3)
+    d2t = torch.arange(96)
+    cfg = TrainConfig(steps=2, context_weight=context_weight, tokens_per_batch=1024)
+    trainer = GlideTrainer(glide_config_for(model, 96), model, d2t, seqs, seqs[:1], cfg)
+    t = trainer._inputs(trainer.train[:2], [])
+    rows, answers = int(t["labelled"].sum()), int(t["loss"].sum())
+    assert rows == answers if context_weight == 0 else rows > answers
+    assert len(t["labels"]) == len(t["hidden"]) == len(t["answer"]) == rows
+    assert torch.isfinite(trainer.loss(trainer.train[:2], [0, 1]))

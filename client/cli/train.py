@@ -40,7 +40,19 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--block-size", type=positive_int, default=5)
     g.add_argument("--steps", type=positive_int, default=2000)
     g.add_argument("--tokens-per-batch", type=positive_int, default=4096)
-    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument(
+        "--context-weight",
+        type=float,
+        default=0.0,
+        help="loss weight of prompt positions (the target's predictions there); answers weigh 1",
+    )
+    g.add_argument(
+        "--init-layer",
+        type=int,
+        default=None,
+        help="target layer the draft layer starts from (default: --layer)",
+    )
     g.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -83,6 +95,8 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.heldout_fraction < 1.0:
         raise CliError("--heldout-fraction must be in [0, 1)")
+    if args.context_weight < 0:
+        raise CliError("--context-weight must be >= 0")
     began = time.perf_counter()
     report: dict[str, Any] = {}
     try:
@@ -97,6 +111,8 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
     layer = args.layer if args.layer >= 0 else info.num_layers + args.layer
     if not 0 <= layer < info.num_layers:
         raise CliError(f"--layer {args.layer}: the model has {info.num_layers} layers")
+    if args.init_layer is not None and not 0 <= args.init_layer < info.num_layers:
+        raise CliError(f"--init-layer {args.init_layer}: the model has {info.num_layers} layers")
     torch.manual_seed(args.seed)
 
     # 1-2. prompts and answers, in --data-dtype
@@ -175,6 +191,8 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
         steps=args.steps,
         tokens_per_batch=args.tokens_per_batch,
         lr=args.lr,
+        context_weight=args.context_weight,
+        init_layer=args.init_layer,
         seed=args.seed,
         device=args.device,
         max_seconds=args.max_minutes * 60 if args.max_minutes else None,
