@@ -53,3 +53,29 @@ def test_local_tasks_leave_out_excluded_modules() -> None:
     tasks = local_tasks(20, seed=1, exclude_modules={"textwrap"}, doc_root=Path("/nonexistent"))
     assert len(tasks) == 20 and len(set(tasks)) == 20
     assert not any("def shorten(text, width" in t for t in tasks)
+
+
+def test_features_store_hidden_states_at_answers_or_everywhere(tiny_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    import pytest
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llm_worker.training.features import FeatureConfig, load_sequences, make_features
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    conv = {"split": "train", "messages": [{"role": "user", "content": "Say hi."}]}
+    conv["messages"].append({"role": "assistant", "content": "Hi there, friend."})
+    (tmp_path / "c.jsonl").write_text(json.dumps(conv) + "\n")
+    for everywhere in (False, True):
+        out = tmp_path / f"f-{everywhere}"
+        cfg = FeatureConfig(layer=0, hidden_everywhere=everywhere)
+        make_features(model, tok, tmp_path / "c.jsonl", out, cfg, "w")
+        (seq,) = load_sequences(out, "train")
+        assert seq.hidden.shape[0] == int(seq.hidden_mask.sum())
+        assert bool((seq.hidden_mask | ~seq.loss_mask).all())  # every answer position has a label
+        expected = len(seq.tokens) - 1 if everywhere else int(seq.loss_mask.sum())
+        assert int(seq.hidden_mask.sum()) == expected
+        with pytest.raises(ValueError):  # the same directory for another layer is refused
+            make_features(model, tok, tmp_path / "c.jsonl", out, FeatureConfig(layer=1), "w")

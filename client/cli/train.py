@@ -153,13 +153,18 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
 
     # 3. features, in --dtype
     t0 = time.perf_counter()
-    feature_cfg = FeatureConfig(layer=layer, max_bytes=int(args.max_feature_gb * (1 << 30)))
+    # Prompt positions' hidden states only when they are trained on: they would double the cache.
+    everywhere = args.context_weight > 0
+    feature_cfg = FeatureConfig(
+        layer=layer, max_bytes=int(args.max_feature_gb * (1 << 30)), hidden_everywhere=everywhere
+    )
+    directory = work / (f"features-l{layer}" + ("-all" if everywhere else ""))
     with _bar(None, "features", args.quiet) as bar:
         manifest = make_features(
             target.model,
             tokenizer,
             work / "conversations.jsonl",
-            work / f"features-l{layer}",
+            directory,
             feature_cfg,
             weights_id,
             bar.update,
@@ -173,7 +178,6 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
     }
 
     # 4. the draft vocabulary, 5. training
-    directory = work / f"features-l{layer}"
     d2t, vocab = draft_vocabulary(directory, min(args.vocab, info.vocab_size), info.eos_token_ids)
     report["vocabulary"] = vocab
     train = list(load_sequences(directory, "train"))

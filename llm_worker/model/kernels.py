@@ -423,11 +423,7 @@ def fastest_dtype(
     for dtype in dtypes:
         x = torch.randn(rows, in_features, generator=gen).to(device=device, dtype=dtype)
         w = torch.randn(out_features, in_features, generator=gen).to(device=device, dtype=dtype)
-        seconds = time_forward([functools.partial(_linear, weight=w)], [x], repeats=5)
+        seconds = time_forward([functools.partial(F.linear, weight=w)], [x], repeats=5)
         if seconds < best_seconds:
             best, best_seconds = dtype, seconds
     return best
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight)

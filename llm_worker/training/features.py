@@ -44,9 +44,10 @@ class FeatureConfig:
     max_tokens: int = 1024
     """Conversations are cut to this many tokens."""
     max_bytes: int = 4 << 30
-    hidden_everywhere: bool = True
+    hidden_everywhere: bool = False
     """Store the final hidden state at every position with a next token (prompts too: the
-    target's predictions there are extra labels for free), not only at answer positions."""
+    target's predictions there are extra labels, for ``TrainConfig.context_weight`` > 0), not
+    only at answer positions."""
 
 
 def conversation_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]] | None:
