@@ -9,6 +9,7 @@ what kind of draft it got (a tree: one forward with a tree mask; a batch: D rows
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -20,10 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from llm_worker.batching import BatchingConfig, BatchScheduler, BatchSession
 from llm_worker.config import EngineConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
-from llm_worker.planner import CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
+from llm_worker.planner import ALONE, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.results import GenerationResult, Provenance
 from llm_worker.sampling import SamplingNoise, warp_logits
 from llm_worker.stats import GenerationStats
@@ -181,10 +183,15 @@ class Engine:
         config: EngineConfig | None = None,
         curve: CostCurve | None = None,
         resources: DraftResources | None = None,
+        batching: BatchingConfig | None = None,
     ) -> None:
+        """``batching``: run every request's forwards through one scheduler thread, all active
+        requests' new tokens in one forward (``llm_worker.batching``); None: each request runs
+        its own forwards in the thread that asks for its steps."""
         self.target = target
         self.config = config or EngineConfig()
         self.resources = resources or DraftResources()
+        self.scheduler = BatchScheduler(target, batching) if batching is not None else None
         self.dropped_drafts = 0
         """Drafts dropped because a token id lay outside the vocabulary (untrusted sources:
         shards, the Redis cache; exported as ``specdraft_drafts_dropped_untrusted``)."""
@@ -270,35 +277,51 @@ class Engine:
         """
         self.validate(req)
         rt = self.runtime(req.mode)
-        steps = self._decode(req, rt)
+        session = self.scheduler.session() if self.scheduler is not None else None
+        steps = self._decode(req, rt, session)
         try:
             while True:
-                with torch.inference_mode():
+                with torch.inference_mode(), session.step() if session else contextlib.nullcontext():
                     item = next(steps, None)
                 if item is None:
                     return
                 yield item
         finally:
             steps.close()
+            if session is not None:
+                session.close()
+
+    def close(self) -> None:
+        """Stop the batch scheduler's thread (requests still waiting get an error)."""
+        if self.scheduler is not None:
+            self.scheduler.stop()
 
     def _prefill(
-        self, state: SequenceState, artifacts: _Artifacts, prompt: torch.Tensor, needs: ArtifactNeeds
+        self,
+        target: TargetModel,
+        state: SequenceState,
+        artifacts: _Artifacts,
+        prompt: torch.Tensor,
+        needs: ArtifactNeeds,
     ) -> torch.Tensor:
         """Run the prompt (in chunks), commit it, and return the last row's logits: [vocab]."""
         chunk = max(1, self.config.prefill_chunk)
         logits = None
         for lo in range(0, len(prompt), chunk):
             piece = prompt[lo : lo + chunk]
-            out = self.target.forward(state, piece, None, needs, last_logits_only=True)
+            out = target.forward(state, piece, None, needs, last_logits_only=True)
             rows = list(range(len(piece)))
-            self.target.commit(state, rows)
+            target.commit(state, rows)
             artifacts.record(out, rows)
             logits = out.logits[-1]
         assert logits is not None
         return logits
 
-    def _decode(self, req: GenerationRequest, rt: _ModeRuntime) -> Generator[StepOutput | GenerationResult]:
-        target, drafter, planner = self.target, rt.drafter, rt.planners[req.sampling.greedy]
+    def _decode(
+        self, req: GenerationRequest, rt: _ModeRuntime, session: BatchSession | None = None
+    ) -> Generator[StepOutput | GenerationResult]:
+        target: TargetModel = session if session is not None else self.target
+        drafter, planner = rt.drafter, rt.planners[req.sampling.greedy]
         needs = drafter.needs
         sampling = req.sampling
         noise = SamplingNoise(sampling.seed, target.info.vocab_size)
@@ -308,7 +331,8 @@ class Engine:
 
         state = target.start()
         artifacts = _Artifacts(target, state, needs)
-        logits = self._prefill(state, artifacts, torch.tensor(req.prompt_ids, dtype=torch.long), needs)
+        prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
+        logits = self._prefill(target, state, artifacts, prompt, needs)
         first = (
             int(logits.argmax())
             if sampling.greedy
@@ -346,7 +370,10 @@ class Engine:
                         self.dropped_drafts += 1
                         draft = DraftTree.empty()
                     if len(draft):
-                        draft = verification_for(draft).plan(planner, draft, out.length, confidence, budget)
+                        load = session.load() if session is not None else ALONE
+                        draft = verification_for(draft).plan(
+                            planner, draft, out.length, confidence, budget, load
+                        )
             # one target forward over the root and the draft, verify, commit
             t1 = time.perf_counter()
             step = verification_for(draft).step(target, state, out.root, draft, needs, decide, out.length)
@@ -355,6 +382,8 @@ class Engine:
             t2 = time.perf_counter()
 
             emitted = out.emit(step.tokens, step.sources, drafter.name)
+            if session is not None:
+                session.observe(len(step.tokens))
             stats.observe_step(len(draft), step.result.num_accepted, len(emitted), t1 - t0, t2 - t1)
             if len(step.decided):
                 stats.observe_depths(max(step.decided.depths()), step.result.num_accepted)

@@ -205,6 +205,30 @@ class AcceptanceModel:
 
 
 @dataclass(frozen=True)
+class BatchLoad:
+    """The rest of the forward a request's draft joins (``llm_worker.batching``): the rows the
+    other requests put in it and the tokens they get out of it. None of it: a request alone."""
+
+    rows: float = 0.0
+    tokens: float = 0.0
+    forward_rows: int = 0
+    forward_seconds: float = 0.0
+    """Rows and seconds of the last forward over several requests (0: none). The cost curve was
+    measured with one request; a forward over several also attends over each one's own cache,
+    so what it took beyond t(forward_rows) is added to the curve's price of the rows."""
+
+    def cost(self, curve: CostCurve, n: int, context: int) -> float:
+        """Seconds of the forward with ``n`` rows of this request beside the others."""
+        extra = 0.0
+        if self.forward_rows:
+            extra = max(0.0, self.forward_seconds - curve.t(self.forward_rows, context))
+        return curve.t(round(self.rows) + n, context) + extra
+
+
+ALONE = BatchLoad()
+
+
+@dataclass(frozen=True)
 class DraftBudget:
     """How much one step may draft.
 
@@ -275,34 +299,43 @@ class DraftPlanner:
         return self.cfg.max_draft_tokens if max_nodes is None else min(max_nodes, self.cfg.max_draft_tokens)
 
     def plan(
-        self, tree: DraftTree, context: int, confidence: float = 1.0, max_nodes: int | None = None
+        self,
+        tree: DraftTree,
+        context: int,
+        confidence: float = 1.0,
+        max_nodes: int | None = None,
+        load: BatchLoad = ALONE,
     ) -> Plan:
         """The nodes of ``tree`` worth verifying after ``context`` cached tokens.
 
         ``confidence``: the target's top-1 probability at the step that produced the root.
         ``max_nodes``: never keep more nodes than this (the request's draft budget), whatever
-        the drafter proposed.
+        the drafter proposed. ``load``: the other requests in the same forward. The rate then
+        counts the whole forward, (load.tokens + E(S)) / t(load.rows + 1 + |S|): a node must
+        pay for slowing everyone's step, so when the forward is already big (t grows with every
+        row) speculation shrinks and stops; alone it is E(S) / t(1 + |S|).
         """
-        base = self.curve.t(1, context)
+        others = load.tokens
+        base = load.cost(self.curve, 1, context)
         if not len(tree):
             return Plan(tree, 1.0, base)
         reach = self._reach(tree, confidence)
         order = sorted(range(len(tree)), key=lambda v: (-reach[v], v))
-        best_k, best_rate = 0, 1.0 / base * self.cfg.min_gain
+        best_k, best_rate = 0, (others + 1.0) / base * self.cfg.min_gain
         expected = 1.0
         for k, node in enumerate(order[: self._limit(max_nodes)], start=1):
             expected += reach[node]
-            rate = expected / self.curve.t(1 + k, context)
+            rate = (others + expected) / load.cost(self.curve, 1 + k, context)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
-            if not self._explore():
+            if load.rows or not self._explore():  # under load, off means off
                 return Plan(DraftTree.empty(), 1.0, base)
             best_k = 1
         keep = order[:best_k]
         chosen = tree.subtree(keep)
         e = 1.0 + sum(reach[v] for v in keep)
-        return Plan(chosen, e, self.curve.t(1 + len(keep), context))
+        return Plan(chosen, e, load.cost(self.curve, 1 + len(keep), context))
 
     def plan_batch(
         self,
@@ -311,6 +344,7 @@ class DraftPlanner:
         confidence: float = 1.0,
         max_nodes: int | None = None,
         max_depth: int | None = None,
+        load: BatchLoad = ALONE,
     ) -> BatchPlan:
         """The rows of ``batch`` worth verifying, each cut to the part worth its cost.
 
@@ -334,8 +368,11 @@ class DraftPlanner:
         Example: rows (5, 6, 7) and (5, 8), every node P = 0.9·parent: S = {5} is one row of
         length 1 (2 positions); adding 6 makes it (5, 6) (3 positions); adding 8 makes the rows
         (5, 6), (5, 8) (6 positions).
+
+        ``load``: the other requests in the same forward, priced as in ``plan``.
         """
-        base = self.curve.t(1, context)
+        others = load.tokens
+        base = load.cost(self.curve, 1, context)
         if max_depth is not None:
             batch = batch.truncated([(r, min(len(row), max_depth)) for r, row in enumerate(batch.rows)])
         if not len(batch):
@@ -347,7 +384,7 @@ class DraftPlanner:
         order = sorted(range(len(tree)), key=lambda v: (-reach[v], v))
         positions_limit = 1 + self._limit(max_nodes)
         kept_children = [0] * len(tree)
-        best_k, best_rate = 0, 1.0 / base * self.cfg.min_gain
+        best_k, best_rate = 0, (others + 1.0) / base * self.cfg.min_gain
         expected, leaves, deepest = 1.0, 0, 0
         sizes = []  # [k] positions the forward computes with the first k nodes of ``order``
         for node in order:
@@ -362,11 +399,11 @@ class DraftPlanner:
                 break
             sizes.append(positions)
             expected += reach[node]
-            rate = expected / self.curve.t(positions, context)
+            rate = (others + expected) / load.cost(self.curve, positions, context)
             if rate > best_rate:
                 best_k, best_rate = len(sizes), rate
         if best_k == 0:
-            if not sizes or not self._explore():
+            if not sizes or load.rows or not self._explore():
                 return BatchPlan(DraftBatch.empty(), 1.0, base)
             best_k = 1
         keep = set(order[:best_k])
@@ -374,7 +411,7 @@ class DraftPlanner:
         leaf_rows = sorted((trie.first_row[v], depths[v]) for v in keep if v not in has_kept_child)
         chosen = batch.truncated(leaf_rows)
         e = 1.0 + sum(reach[v] for v in keep)
-        return BatchPlan(chosen, e, self.curve.t(sizes[best_k - 1], context))
+        return BatchPlan(chosen, e, load.cost(self.curve, sizes[best_k - 1], context))
 
     def observe(self, tree: DraftTree, result: VerifyResult, confidence: float = 1.0) -> None:
         self.acceptance.observe(tree, result, confidence)

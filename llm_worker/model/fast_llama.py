@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_worker.model.kernels import ROLES, Kernel, KernelChooser, Linear, attention_min_rows, pad_rows_bmm
-from llm_worker.model.target import ForwardOutput, SequenceState, TargetInfo, TargetModel
+from llm_worker.model.target import ForwardCall, ForwardOutput, SequenceState, TargetInfo, TargetModel
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
 
@@ -72,6 +72,22 @@ class _Layer:
     ln_mlp: torch.Tensor  # [hidden]
     gate_up: Linear  # [hidden] → [2 * intermediate]
     down: Linear  # [intermediate] → [hidden]
+
+
+@dataclass
+class _Part:
+    """One call's place in a forward over several: its rows and where they go."""
+
+    state: _KVState
+    row: int  # its first row in the forward
+    n: int  # its rows
+    start: int  # its committed length: the cache slot of its first row
+    positions: torch.Tensor  # [n] each row's position
+    bias: torch.Tensor  # [group · n, T] its attention mask (``_bias``, repeated per query head of a group)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row, self.row + self.n)
 
 
 class _KVState(SequenceState):
@@ -338,60 +354,97 @@ class FastLlamaTarget(TargetModel):
         needs: ArtifactNeeds,
         last_logits_only: bool = False,
     ) -> ForwardOutput:
-        assert isinstance(state, _KVState)
-        info = self.info
-        n = int(tokens.shape[0])
-        start = state.length
-        end = start + n  # KV rows written; positions only reach start + the deepest row
+        return self.forward_many([ForwardCall(state, tokens, tree, needs, last_logits_only)])[0]
+
+    def _part(self, call: ForwardCall, row: int) -> _Part:
+        """Check ``call`` against the context limit, make room in its cache, and lay it out."""
+        assert isinstance(call.state, _KVState)
+        n = int(call.tokens.shape[0])
+        start = call.state.length
+        tree = call.tree
         offsets = tree.position_offsets if tree is not None else torch.arange(n)
         last_position = start + int(offsets[-1] if tree is None else offsets.max())
-        if last_position >= info.max_context:
+        if last_position >= self.info.max_context:
             raise ValueError(
-                f"context of {last_position + 1} tokens exceeds the model's limit of {info.max_context}"
+                f"context of {last_position + 1} tokens exceeds the model's limit of {self.info.max_context}"
             )
-        self._reserve(state, end)
+        self._reserve(call.state, start + n)
+        group = self.info.num_heads // self.info.num_kv_heads
+        bias = self._bias(start, n, tree).repeat(group, 1)  # [group · n, T], rows as in _attention's qg
+        return _Part(call.state, row, n, start, offsets + start, bias)
+
+    def forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
+        """One forward over every call's rows: embeddings, norms, RoPE and the GEMMs run on all
+        rows at once (each row-invariant, so a row's numbers do not depend on its neighbours),
+        attention per call over its own cache and mask (the same ``_attention`` as alone)."""
+        info = self.info
+        parts: list[_Part] = []
+        for call in calls:
+            parts.append(self._part(call, sum(p.n for p in parts)))
+        total = sum(p.n for p in parts)
         heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
 
-        positions = (offsets + start).to(self.device)  # [n]
-        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [n, 1, d]
-        bias = self._bias(start, n, tree).repeat(heads // kv_heads, 1)  # [group · n, T], rows as in qg
-        tokens = tokens.to(self.device)
+        positions = torch.cat([p.positions for p in parts]).to(self.device)  # [total]
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [total, 1, d]
+        tokens = torch.cat([c.tokens for c in calls]) if len(calls) > 1 else calls[0].tokens
         # Fewer rows than the GEMM kernels' smallest minimum: zero rows are added to the embeddings
         # once here rather than in every GEMM, and dropped around attention (nothing reads them).
         # A GEMM whose kernel needs more rows still pads its own input (``Linear``).
-        pad = max(0, self.min_rows - n)
-        h = self.embed(tokens)  # [n, hidden]
+        pad = max(0, self.min_rows - total)
+        h = self.embed(tokens.to(self.device))  # [total, hidden]
         if pad:
-            h = F.pad(h, (0, 0, 0, pad))  # [n + pad, hidden]
+            h = F.pad(h, (0, 0, 0, pad))  # [total + pad, hidden]
 
-        wanted_heads: dict[int, list[int]] = {}
-        for layer_index, head in needs.query_heads:
-            wanted_heads.setdefault(layer_index, []).append(head)
-        out = ForwardOutput(logits=torch.empty(0))
-        if 0 in needs.hidden_layers:
-            out.hidden[0] = h[:n]
+        outs = [ForwardOutput(logits=torch.empty(0)) for _ in calls]
+        wanted_heads: list[dict[int, list[int]]] = []
+        for call in calls:
+            by_layer: dict[int, list[int]] = {}
+            for layer_index, head in call.needs.query_heads:
+                by_layer.setdefault(layer_index, []).append(head)
+            wanted_heads.append(by_layer)
 
+        def keep_hidden(layer_index: int, h: torch.Tensor) -> None:
+            for call, part, out in zip(calls, parts, outs, strict=True):
+                if layer_index in call.needs.hidden_layers:
+                    out.hidden[layer_index] = h[part.rows]
+
+        keep_hidden(0, h)
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rms(h, layer.ln_attn))[:n].to(self.attn_dtype)  # [n, (heads + 2 kv) * d]
-            qk = self._rotate(qkv[:, : q_size + kv_size].view(n, heads + kv_heads, head_dim), cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]  # [n, heads, d], [n, kv, d]
-            v = qkv[:, q_size + kv_size :].view(n, kv_heads, head_dim)
-            keys, values = state.keys[index, 0], state.values[index, 0]  # [kv, capacity, d]
-            keys[:, start:end] = k.transpose(0, 1)
-            values[:, start:end, :head_dim] = v.transpose(0, 1)
-            for head in wanted_heads.get(index, ()):
-                out.queries[(index, head)] = q[:, head]
-            attn = self._attention(q, keys, values, bias).to(self.dtype)  # [n, heads · d]
+            qkv = layer.qkv(self._rms(h, layer.ln_attn))[:total].to(self.attn_dtype)  # [total, (q + 2 kv) d]
+            qk = self._rotate(qkv[:, : q_size + kv_size].view(total, heads + kv_heads, head_dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]  # [total, heads, d], [total, kv, d]
+            v = qkv[:, q_size + kv_size :].view(total, kv_heads, head_dim)
+            attended = []
+            for part, out, by_layer in zip(parts, outs, wanted_heads, strict=True):
+                rows, start, end = part.rows, part.start, part.start + part.n
+                keys, values = part.state.keys[index, 0], part.state.values[index, 0]  # [kv, capacity, d]
+                keys[:, start:end] = k[rows].transpose(0, 1)
+                values[:, start:end, :head_dim] = v[rows].transpose(0, 1)
+                for head in by_layer.get(index, ()):
+                    out.queries[(index, head)] = q[rows, head]
+                attended.append(self._attention(q[rows], keys, values, part.bias))  # [n, heads · d]
+            attn = (attended[0] if len(attended) == 1 else torch.cat(attended)).to(self.dtype)
             h = h + layer.o(F.pad(attn, (0, 0, 0, pad)) if pad else attn)
             gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-            if index + 1 in needs.hidden_layers and index + 1 < len(self.layers):
-                out.hidden[index + 1] = h[:n]
-        h = self._rms(h[:n], self.norm)
-        if len(self.layers) in needs.hidden_layers:  # the last layer's state after the final norm
-            out.hidden[len(self.layers)] = h
-        if last_logits_only:
-            h = h[-1:]
-        out.logits = self.lm_head(h).float()
-        return out
+            if index + 1 < len(self.layers):
+                keep_hidden(index + 1, h)
+        h = self._rms(h[:total], self.norm)
+        keep_hidden(len(self.layers), h)  # the last layer's state after the final norm
+        # Logits for every row of a call, or for its last row only (a prefill chunk needs no more).
+        if len(calls) == 1:
+            chosen = h[-1:] if calls[0].last_logits_only else h
+        else:
+            wanted = [
+                torch.arange(p.row + p.n - 1 if c.last_logits_only else p.row, p.row + p.n)
+                for c, p in zip(calls, parts, strict=True)
+            ]
+            chosen = h[torch.cat(wanted).to(self.device)]
+        logits = self.lm_head(chosen).float()
+        row = 0
+        for call, part, out in zip(calls, parts, outs, strict=True):
+            count = 1 if call.last_logits_only else part.n
+            out.logits = logits[row : row + count]
+            row += count
+        return outs

@@ -75,6 +75,18 @@ class BatchForwardOutput:
         )
 
 
+@dataclass
+class ForwardCall:
+    """One request's part of a forward over several requests (``TargetModel.forward_many``): the
+    arguments of ``forward``."""
+
+    state: SequenceState
+    tokens: torch.Tensor  # [n] long
+    tree: TreeBuffers | None
+    needs: ArtifactNeeds
+    last_logits_only: bool = False
+
+
 class SequenceState:
     """One request's KV cache; ``length`` counts committed positions."""
 
@@ -106,6 +118,13 @@ class TargetModel(ABC):
 
         ``last_logits_only``: compute logits for the last row alone (a prefill needs no more).
         """
+
+    def forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
+        """Each call's ``forward``, bit for bit as if it ran alone, each request attending only
+        to its own cache. This default runs them one after another; a backend that computes them
+        in one forward (the linear layers over every call's rows at once: the weights read once
+        for all requests) overrides it (``FastLlamaTarget``)."""
+        return [self.forward(c.state, c.tokens, c.tree, c.needs, c.last_logits_only) for c in calls]
 
     @abstractmethod
     def commit(self, state: SequenceState, rows: Sequence[int]) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from llm_worker.config import SamplingParams
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
-from llm_worker.planner import DraftBudget, DraftPlanner
+from llm_worker.planner import ALONE, BatchLoad, DraftBudget, DraftPlanner
 from llm_worker.sampling import SamplingNoise, warp_logits
 from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftBatch, DraftTree, VerifyResult
 from llm_worker.verify.batch import chosen_row, trie_logits
@@ -74,11 +74,18 @@ class Verification(ABC, Generic[DraftT]):
 
     @abstractmethod
     def plan(
-        self, planner: DraftPlanner, draft: DraftT, context: int, confidence: float, budget: DraftBudget
+        self,
+        planner: DraftPlanner,
+        draft: DraftT,
+        context: int,
+        confidence: float,
+        budget: DraftBudget,
+        load: BatchLoad = ALONE,
     ) -> DraftT:
         """The part of ``draft`` worth verifying after ``context`` cached tokens, within ``budget``.
 
         ``confidence``: the target's top-1 probability at the step that produced the root.
+        ``load``: the other requests sharing the forward (continuous batching).
         """
 
     @abstractmethod
@@ -98,9 +105,15 @@ class Verification(ABC, Generic[DraftT]):
 
 class TreeVerification(Verification[DraftTree]):
     def plan(
-        self, planner: DraftPlanner, draft: DraftTree, context: int, confidence: float, budget: DraftBudget
+        self,
+        planner: DraftPlanner,
+        draft: DraftTree,
+        context: int,
+        confidence: float,
+        budget: DraftBudget,
+        load: BatchLoad = ALONE,
     ) -> DraftTree:
-        return planner.plan(draft, context, confidence, max_nodes=budget.tree_nodes).tree
+        return planner.plan(draft, context, confidence, max_nodes=budget.tree_nodes, load=load).tree
 
     def step(
         self,
@@ -128,9 +141,17 @@ class BatchVerification(Verification[DraftBatch]):
     is exact."""
 
     def plan(
-        self, planner: DraftPlanner, draft: DraftBatch, context: int, confidence: float, budget: DraftBudget
+        self,
+        planner: DraftPlanner,
+        draft: DraftBatch,
+        context: int,
+        confidence: float,
+        budget: DraftBudget,
+        load: BatchLoad = ALONE,
     ) -> DraftBatch:
-        plan = planner.plan_batch(draft, context, confidence, max_nodes=budget.tokens, max_depth=budget.depth)
+        plan = planner.plan_batch(
+            draft, context, confidence, max_nodes=budget.tokens, max_depth=budget.depth, load=load
+        )
         return plan.batch
 
     def step(

@@ -1,0 +1,303 @@
+"""Continuous batching: requests share forwards, and each one's output is its output alone.
+
+The fast backend's ``forward_many`` against each call alone (bit for bit: logits, hidden states,
+queries); the engine with a batch scheduler against solo ``ar`` for concurrent requests of mixed
+modes and lengths that join and leave mid-run (greedy, float32 and bfloat16), seeded sampling in
+distribution, cancellation, a bad request beside good ones, and the planner under load.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.models import CPU_LIKE_CURVE, FLAT_CURVE, engine_for, prompts, tiny_model
+from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution
+from llm_worker.batching import BatchingConfig
+from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig, SamplingParams
+from llm_worker.drafters import DraftResources
+from llm_worker.drafters.heads import HeadScore, HeadsFile, save_heads
+from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.model import wrap_model
+from llm_worker.model.fast_llama import FastLlamaTarget
+from llm_worker.model.target import ForwardCall, TargetModel
+from llm_worker.planner import ALONE, BatchLoad, CostCurve, DraftPlanner
+from llm_worker.results import GenerationResult
+from llm_worker.types import ArtifactNeeds, DraftTree
+from llm_worker.verify.tree import tree_buffers
+
+NEEDS = ArtifactNeeds(hidden_layers=frozenset({1, 2}), query_heads=((0, 1), (1, 3)))
+MODES = ("ar", "pld", "pld+h:layer=1", "pld+a")
+
+
+def fast_target(dtype: torch.dtype = torch.float32, vocab: int = 96, seed: int = 0) -> FastLlamaTarget:
+    model = tiny_model("llama", vocab=vocab, seed=seed).to(dtype)
+    target = wrap_model(model, None, ModelConfig(backend="fast", dtype=str(dtype).removeprefix("torch.")))
+    assert isinstance(target, FastLlamaTarget)
+    return target
+
+
+@pytest.fixture(scope="module")
+def heads_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("heads") / "tiny.json"
+    return save_heads(HeadsFile("tiny", "x", (HeadScore(1, 0, 0.9), HeadScore(1, 3, 0.5)), 10, 1), path)
+
+
+def batched(target: TargetModel, curve: CostCurve, heads: Path | None = None, **cfg: object) -> Engine:
+    return Engine(
+        target,
+        EngineConfig(planner=PlannerConfig()),
+        curve=curve,
+        resources=DraftResources(heads_file=heads),
+        batching=BatchingConfig(**cfg),  # type: ignore[arg-type]
+    )
+
+
+# -- one forward over several requests ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_many_equals_each_call_alone(dtype: torch.dtype) -> None:
+    """A prefill chunk (last logits only), a decode row, a chain and a branching tree of four
+    requests at different lengths in one forward: each output bit for bit as alone."""
+    target = fast_target(dtype)
+    gen = torch.Generator().manual_seed(0)
+
+    def states() -> list:
+        prefixes = torch.Generator().manual_seed(1)
+        out = []
+        for length in (0, 30, 250, 7):  # 250: the chain crosses a key-chunk boundary
+            state = target.start()
+            if length:
+                target.forward(state, torch.randint(0, 96, (length,), generator=prefixes), None, NEEDS)
+                target.commit(state, range(length))
+            out.append(state)
+        return out
+
+    tokens = [torch.randint(0, 96, (n,), generator=gen) for n in (40, 1, 9, 4)]
+    trees = [None, None, None, tree_buffers((-1, 0, -1))]
+    last_only = [True, False, False, False]
+    with torch.inference_mode():
+        alone_states, together_states = states(), states()
+        alone = [
+            target.forward(s, t, tr, NEEDS, lo)
+            for s, t, tr, lo in zip(alone_states, tokens, trees, last_only, strict=True)
+        ]
+        calls = [
+            ForwardCall(s, t, tr, NEEDS, lo)
+            for s, t, tr, lo in zip(together_states, tokens, trees, last_only, strict=True)
+        ]
+        together = target.forward_many(calls)
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert torch.equal(a.logits, b.logits), i
+        assert a.hidden.keys() == b.hidden.keys() and a.queries.keys() == b.queries.keys()
+        for layer in a.hidden:
+            assert torch.equal(a.hidden[layer], b.hidden[layer]), (i, layer)
+        for key in a.queries:
+            assert torch.equal(a.queries[key], b.queries[key]), (i, key)
+    for a, b in zip(alone_states, together_states, strict=True):  # the caches were written alike
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+# -- the engine with a scheduler ----------------------------------------------------------------
+
+
+def run_concurrently(engine: Engine, requests: list[GenerationRequest], stagger: float = 0.0) -> list:
+    """Each request in its own thread, the i-th started ``i * stagger`` seconds after the first."""
+
+    def one(i: int) -> GenerationResult:
+        time.sleep(i * stagger)
+        return engine.generate(requests[i])
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, range(len(requests))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_concurrent_requests_of_mixed_modes_equal_solo_ar(dtype: torch.dtype, heads_file: Path) -> None:
+    """Eight requests (four modes, lengths 9 to 60, started 10 ms apart so that they join and
+    leave while others run) through one scheduler: each output is solo ``ar``'s, and the
+    forwards were shared."""
+    target = fast_target(dtype)
+    solo = engine_for(target, CPU_LIKE_CURVE, heads_file)
+    engine = batched(target, CPU_LIKE_CURVE, heads_file)
+    try:
+        ps = prompts(target.info.vocab_size)
+        requests = [
+            GenerationRequest(tuple(ps[i % len(ps)]), 9 + 7 * i, MODES[i % len(MODES)], stop_at_eos=False)
+            for i in range(8)
+        ]
+        results = run_concurrently(engine, requests, stagger=0.01)
+        for req, res in zip(requests, results, strict=True):
+            ref = solo.generate(
+                GenerationRequest(req.prompt_ids, req.max_new_tokens, "ar", stop_at_eos=False)
+            )
+            assert res.token_ids == ref.token_ids, (dtype, req.mode, req.max_new_tokens)
+        assert sum(r.stats.drafted_tokens for r in results) > 0
+        assert sum(r.stats.accepted_tokens for r in results) > 0
+        assert engine.scheduler is not None and engine.scheduler.mean_batch_size > 1.5
+        assert engine.scheduler.active == 0  # every request left
+    finally:
+        engine.close()
+
+
+def test_seeded_sampling_in_a_batch_follows_the_exact_distribution(heads_file: Path) -> None:
+    """SAMPLES seeded generations, eight at a time through one scheduler, per mode: χ² against
+    the enumerated distribution; and each equals its own seed's solo generation."""
+    params = SamplingParams(temperature=1.3)
+    model = tiny_model("llama", vocab=VOCAB, seed=3)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    dist = exact_distribution(model, prompt, params)
+    solo = engine_for(target, FLAT_CURVE, heads_file)
+    engine = batched(target, FLAT_CURVE, heads_file)
+    try:
+        for mode in ("ar", "pld"):
+
+            def request(seed: int, mode: str = mode) -> GenerationRequest:
+                sp = SamplingParams(params.temperature, seed=seed)
+                return GenerationRequest(tuple(prompt), 3, mode, sp, stop_at_eos=False)
+
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda s: engine.generate(request(s)), range(SAMPLES)))
+            counts: dict[tuple[int, ...], int] = {}
+            for res in results:
+                counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+            p = chi_square_p(counts, dist, SAMPLES)
+            assert p > 1e-3, f"{mode}: batched samples do not follow the target distribution (p = {p:.2g})"
+            for seed in range(0, SAMPLES, 250):
+                assert results[seed].token_ids == solo.generate(request(seed)).token_ids, (mode, seed)
+        assert engine.scheduler is not None and engine.scheduler.mean_batch_size > 1.5
+    finally:
+        engine.close()
+
+
+def test_cancelling_one_request_leaves_the_others_unchanged(heads_file: Path) -> None:
+    target = fast_target()
+    solo = engine_for(target, CPU_LIKE_CURVE, heads_file)
+    engine = batched(target, CPU_LIKE_CURVE, heads_file)
+    try:
+        ps = prompts(target.info.vocab_size)
+        requests = [GenerationRequest(tuple(ps[i]), 48, MODES[i % 4], stop_at_eos=False) for i in range(4)]
+        stopped = threading.Event()
+
+        def cancelled() -> None:
+            steps = engine.stream(GenerationRequest(tuple(ps[5]), 48, "pld", stop_at_eos=False))
+            for _ in range(3):
+                next(steps)
+            steps.close()  # what the server does when a call is cancelled or its deadline passes
+            stopped.set()
+
+        canceller = threading.Thread(target=cancelled)
+        canceller.start()
+        results = run_concurrently(engine, requests)
+        canceller.join()
+        assert stopped.is_set()
+        for req, res in zip(requests, results, strict=True):
+            assert (
+                res.token_ids
+                == solo.generate(GenerationRequest(req.prompt_ids, 48, "ar", stop_at_eos=False)).token_ids
+            )
+        assert engine.scheduler is not None and engine.scheduler.active == 0
+    finally:
+        engine.close()
+
+
+def test_a_bad_forward_fails_its_request_alone() -> None:
+    """A request whose forward cannot run (here: past the model's context) gets the error; the
+    requests that shared the forward get their outputs."""
+    target = fast_target()
+    engine = batched(target, FLAT_CURVE)
+    try:
+        assert engine.scheduler is not None
+        good, bad = engine.scheduler.session(), engine.scheduler.session()
+        state_good, state_bad = target.start(), target.start()
+        state_bad.length = target.info.max_context  # as if full
+        outputs: dict[str, object] = {}
+
+        def call(name: str, session, state) -> None:
+            try:
+                outputs[name] = session.forward(state, torch.tensor([1, 2]), None, ArtifactNeeds())
+            except ValueError as exc:
+                outputs[name] = exc
+
+        threads = [
+            threading.Thread(target=call, args=("good", good, state_good)),
+            threading.Thread(target=call, args=("bad", bad, state_bad)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert isinstance(outputs["bad"], ValueError) and "exceeds" in str(outputs["bad"])
+        alone = target.forward(target.start(), torch.tensor([1, 2]), None, ArtifactNeeds())
+        assert torch.equal(outputs["good"].logits, alone.logits)  # type: ignore[union-attr]
+        good.close()
+        bad.close()
+    finally:
+        engine.close()
+
+
+def test_forwards_respect_the_row_cap() -> None:
+    target = fast_target()
+    seen: list[int] = []
+    engine = batched(target, FLAT_CURVE, max_rows=64)
+    assert engine.scheduler is not None
+    engine.scheduler.on_batch = lambda record: seen.append(record.rows)
+    try:
+        ps = prompts(96)
+        long_prompt = tuple(ps[0] * 10)  # 320 tokens: a prefill chunk of 256 (EngineConfig.prefill_chunk)
+        requests = [GenerationRequest(long_prompt, 8, "ar")] + [
+            GenerationRequest(tuple(p), 8, "ar") for p in ps[1:4]
+        ]
+        run_concurrently(engine, requests)
+        assert 256 in seen  # the first waiting forward always goes, whatever its size
+        assert all(rows <= 64 for rows in seen if rows != 256)
+    finally:
+        engine.close()
+
+
+# -- the planner under load ---------------------------------------------------------------------
+
+
+def draft_chain(k: int) -> DraftTree:
+    return DraftTree.chain(list(range(1, k + 1)))
+
+
+@pytest.mark.parametrize("per_token", [0.001, 0.003])
+def test_speculation_backs_off_as_the_forward_fills(per_token: float) -> None:
+    """With a curve whose every extra row costs ``per_token`` of a 10 ms forward: alone, a likely
+    chain is verified; beside other requests in a big forward each node must pay for slowing them
+    all, so fewer nodes are kept, and none once the forward is full; the drafts come back when
+    the load goes."""
+    curve = CostCurve.linear(0.010, per_token, sizes=(1, 65, 1025))
+    planner = DraftPlanner(curve, PlannerConfig(prior_accept=0.7, prior_weight=1000.0))
+    chain = draft_chain(8)
+
+    def kept(load: BatchLoad) -> int:
+        return len(planner.plan(chain, 100, 0.9, load=load).tree)
+
+    alone = kept(ALONE)
+    light = kept(BatchLoad(rows=3, tokens=3))
+    heavy = kept(BatchLoad(rows=63, tokens=63))
+    assert alone > 0
+    assert light <= alone
+    assert heavy == 0
+    for _ in range(40):  # off means off: no exploring under load
+        assert kept(BatchLoad(rows=63, tokens=63)) == 0
+    assert kept(ALONE) == alone
+
+
+def test_a_measured_batch_forward_prices_drafts_by_what_it_took() -> None:
+    """The curve was measured with one request; a shared forward that took longer than t(rows)
+    (each request's attention) makes extra rows relatively cheaper, never dearer."""
+    curve = CostCurve.linear(0.010, 0.002, sizes=(1, 65))
+    load = BatchLoad(rows=7, tokens=7, forward_rows=8, forward_seconds=0.05)
+    assert load.cost(curve, 1, 100) == pytest.approx(0.05)
+    assert load.cost(curve, 3, 100) == pytest.approx(0.05 + 2 * 0.002)
+    assert ALONE.cost(curve, 3, 100) == pytest.approx(curve.t(3, 100))
