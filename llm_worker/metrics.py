@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from llm_worker.batching import BatchRecord
 from llm_worker.drafters import DRAFTERS, parse_mode
 from llm_worker.stats import GenerationStats
 
@@ -75,6 +76,25 @@ class WorkerMetrics:
             "specdraft_verify_seconds", "Time spent in target forwards and verification", ["mode"], registry=r
         )
         self.in_flight = Gauge("specdraft_requests_in_flight", "Generations running now", registry=r)
+        self.batch_requests = Histogram(
+            "specdraft_batch_requests",
+            "Requests sharing one target forward (continuous batching)",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "specdraft_batch_rows",
+            "Rows (new tokens: decode, drafts, prefill chunks) of one batched target forward",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.draft_budget = Histogram(
+            "specdraft_draft_tokens_per_step",
+            "Draft tokens the planner chose to verify per step, mean per request (shrinks under load)",
+            ["mode"],
+            buckets=(0, 0.5, 1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
 
     def observe_request(self, mode: str, method: str, status: str, seconds: float) -> None:
         label = mode_label(mode)
@@ -91,8 +111,15 @@ class WorkerMetrics:
         self.tau.labels(label).observe(stats.tau)
         if stats.drafted_tokens:
             self.acceptance.labels(label).observe(stats.acceptance_rate)
+        if stats.target_forwards:
+            self.draft_budget.labels(label).observe(stats.drafted_tokens / stats.target_forwards)
         self.draft_seconds.labels(label).inc(stats.draft_seconds)
         self.verify_seconds.labels(label).inc(stats.verify_seconds)
+
+    def observe_batch(self, record: BatchRecord) -> None:
+        """One forward of the batch scheduler."""
+        self.batch_requests.observe(record.requests)
+        self.batch_rows.observe(record.rows)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; returns the port (0 picks a free one)."""

@@ -312,6 +312,8 @@ class WorkerServer:
         self.worker = worker
         self.cfg = cfg
         self.metrics = metrics or WorkerMetrics()
+        if worker.engine.scheduler is not None:  # requests and rows per batched forward
+            worker.engine.scheduler.on_batch = self.metrics.observe_batch
         queries = worker.engine.resources.dense_queries
         if queries is not None:  # hit rate and saved time of the dense query cache
             from datastore_svc.cache import CacheCollector

@@ -301,3 +301,30 @@ def test_a_measured_batch_forward_prices_drafts_by_what_it_took() -> None:
     assert load.cost(curve, 1, 100) == pytest.approx(0.05)
     assert load.cost(curve, 3, 100) == pytest.approx(0.05 + 2 * 0.002)
     assert ALONE.cost(curve, 3, 100) == pytest.approx(curve.t(3, 100))
+
+
+def test_bench_concurrency_reports_the_documented_figures(heads_file: Path) -> None:
+    from client.bench.concurrency import run_concurrency_levels
+
+    target = fast_target()
+    engine = engine_for(target, CPU_LIKE_CURVE, heads_file)
+    ps = [list(p) for p in prompts(96)]
+    refs = [engine.generate(GenerationRequest(tuple(p), 24, "ar")).token_ids for p in ps]
+    report = run_concurrency_levels(engine, ps, refs, ["ar", "pld"], [1, 4], 24)
+    keys = {
+        "aggregate_tokens_per_second",
+        "latency_p50_seconds",
+        "latency_p95_seconds",
+        "ttft_p50_seconds",
+        "ttft_p95_seconds",
+        "mean_batch_size",
+        "draft_tokens_per_request_step",
+        "identical_to_ar",
+    }
+    for mode in ("ar", "pld"):
+        assert set(report[mode]) == {"1", "4"}
+        for figures in report[mode].values():
+            assert keys <= set(figures)
+            assert figures["identical_to_ar"] is True and figures["outputs"] == len(ps)
+        assert report[mode]["1"]["mean_batch_size"] == 1.0
+        assert report[mode]["4"]["mean_batch_size"] > 1.0

@@ -293,3 +293,43 @@ def test_bench_grpc_reports_overhead_per_call_and_per_token(
     for key in ("unary_overhead_ms", "stream_overhead_ms_per_token"):
         assert set(report[key]) == {"median", "p99", "mean"}
         assert report[key]["median"] <= report[key]["p99"]
+
+
+def test_a_batching_worker_shares_forwards_and_answers_as_alone(worker: Worker) -> None:
+    """The worker as ``serve worker`` runs it (continuous batching): concurrent streamed and unary
+    calls of several modes equal the unbatched in-process results, the forwards were shared, and
+    /metrics reports requests per forward and draft tokens per step."""
+    from llm_worker.batching import BatchingConfig
+    from llm_worker.engine import Engine
+
+    engine = Engine(
+        worker.engine.target, worker.engine.config, curve=worker.engine.cost_curve, batching=BatchingConfig()
+    )
+    batched = Worker(engine, worker.tokenizer, worker_id="w-batch")
+    port = free_port()
+    srv = start(batched, max_concurrent=6, metrics_port=port)
+    texts = [f"hello world {i} hello world {i} hello" for i in range(6)]
+    modes = ["ar", "pld", "pld+h"] * 2
+    try:
+
+        def call(i: int) -> list[int]:
+            opts = RequestOptions(mode=modes[i], max_new_tokens=32)
+            with GenerationClient([srv.address]) as client:
+                if i % 2:
+                    return list(client.generate(build_request(text=texts[i], options=opts)).token_ids)
+                chunks = list(client.generate_stream(build_request(text=texts[i], options=opts)))
+                return list(chunks[-1].final.token_ids)
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(call, range(6)))
+        for i, ids in enumerate(got):
+            req = GenerationRequest(
+                tuple(worker.encode(worker_request(texts[i]))), 32, "ar", SamplingParams()
+            )
+            assert ids == worker.engine.generate(req).token_ids, i
+        assert engine.scheduler is not None and engine.scheduler.mean_batch_size > 1.0
+        text = scrape(port)
+        assert "specdraft_batch_requests_count" in text and "specdraft_draft_tokens_per_step_count" in text
+    finally:
+        srv.stop()
+        engine.close()

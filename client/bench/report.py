@@ -76,6 +76,47 @@ def render_table(report: dict[str, Any], console: Console) -> None:
     for dtype, c in mach.get("dtype_comparison", {}).items():
         same = next(v for k, v in c.items() if k.startswith("ar_outputs_identical"))
         console.print(f"{dtype} ar identical to {mach['dtype']} ar: {same}/{c['outputs']} outputs")
+    render_concurrency(report, console)
+
+
+def render_concurrency(report: dict[str, Any], console: Console) -> None:
+    """The ``--concurrency`` runs: per mode and level, aggregate tokens/s (and × the same mode at
+    the lowest level), latency, requests per forward, draft tokens per request step."""
+    rows = [(mode, m["concurrency"]) for mode, m in report["modes"].items() if "concurrency" in m]
+    if not rows:
+        return
+    table = Table(title="under load: one batch scheduler, c closed-loop users", title_justify="left")
+    columns = (
+        "mode",
+        "c",
+        "agg tok/s",
+        "× c=lowest",
+        "p50 s",
+        "p95 s",
+        "ttft p50",
+        "batch",
+        "draft/step",
+        "= ar",
+    )
+    for col in columns:
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, levels in rows:
+        first = next(iter(levels.values()))["aggregate_tokens_per_second"]
+        for c, f in levels.items():
+            agg = f["aggregate_tokens_per_second"]
+            table.add_row(
+                mode,
+                c,
+                _fmt(agg, 1),
+                _fmt(agg / first if first else None, 2, "×"),
+                _fmt(f["latency_p50_seconds"], 2),
+                _fmt(f["latency_p95_seconds"], 2),
+                _fmt(f["ttft_p50_seconds"], 2),
+                _fmt(f["mean_batch_size"], 2),
+                _fmt(f["draft_tokens_per_request_step"], 2),
+                f"{f['identical_outputs']}/{f['outputs']}",
+            )
+    console.print(table)
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:

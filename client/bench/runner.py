@@ -114,6 +114,7 @@ class BenchResult:
     per_category: dict[str, dict[str, Tally]] = field(default_factory=dict)
     machine: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    concurrency: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # mode -> c -> figures
 
     def to_json(self) -> dict[str, Any]:
         modes: dict[str, Any] = {}
@@ -135,6 +136,8 @@ class BenchResult:
                 cat: tallies[mode].summary(tallies.get(reference_of(mode)))
                 for cat, tallies in self.per_category.items()
             }
+            if mode in self.concurrency:
+                entry["concurrency"] = self.concurrency[mode]
             modes[mode] = entry
         return {"modes": modes, "machine": self.machine, "config": self.config}
 
@@ -228,7 +231,11 @@ def run_bench(
     max_new_tokens: int,
     progress: Callable[[str], None] | None = None,
     others: Sequence[Engine] = (),
+    concurrency: Sequence[int] = (),
 ) -> BenchResult:
+    """``concurrency``: after the interleaved run, every engine mode again at each of these
+    concurrencies through the worker's batch scheduler (``client.bench.concurrency``) on the
+    questions' first turns, compared with ``ar``'s first-turn outputs of the run."""
     modes = list(dict.fromkeys(["ar", *modes]))  # ar is the reference: always run, always first in reports
     runners = make_runners(engine, modes)
     engines = {"": engine}
@@ -251,6 +258,7 @@ def run_bench(
     for mode in all_modes:
         result.overall[mode] = Tally()
     same_as_primary_ar = {suffix: [0, 0] for suffix in engines if suffix}  # [identical, outputs]
+    first_turns: dict[str, list[list[int]]] = {suffix: [] for suffix in engines}  # ar's first answers
     for qi, question in enumerate(questions):
         shift = qi % len(all_modes)
         order = all_modes[shift:] + all_modes[:shift]
@@ -263,6 +271,8 @@ def run_bench(
                 same = outcome.token_ids == outputs[reference_of(mode)][turn].token_ids
                 result.overall[mode].add(outcome, same)
                 cat[mode].add(outcome, same)
+        for suffix, answers in first_turns.items():
+            answers.append(outputs["ar" + suffix][0].token_ids)
         for suffix, counts in same_as_primary_ar.items():
             for turn, outcome in enumerate(outputs["ar" + suffix]):
                 counts[0] += outcome.token_ids == outputs["ar"][turn].token_ids
@@ -275,6 +285,18 @@ def run_bench(
         suffix[1:]: {f"ar_outputs_identical_to_{primary}_ar": same, "outputs": total}
         for suffix, (same, total) in same_as_primary_ar.items()
     }
+    if concurrency:
+        from client.bench.concurrency import run_concurrency_levels
+
+        prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+        for suffix, other in engines.items():
+            own = [m for m in modes if not m.startswith("hf-")]
+            levels = run_concurrency_levels(
+                other, prompts, first_turns[suffix], own, concurrency, max_new_tokens, progress
+            )
+            for mode, by_level in levels.items():
+                result.concurrency[mode + suffix] = by_level
+        result.config["concurrency"] = list(concurrency)
     return result
 
 

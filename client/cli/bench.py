@@ -37,6 +37,12 @@ def add_bench(sub: Any) -> None:
     )
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--limit", type=int, default=0, help="run only the first N questions")
+    b.add_argument(
+        "--concurrency",
+        default="",
+        help="also run every engine mode with this many concurrent users through the worker's batch "
+        "scheduler (comma-separated, e.g. 1,2,4,8), on the questions' first turns",
+    )
     b.add_argument("--json-out", help="write the report as JSON here")
     b.add_argument("--plot", help="write a PNG of speed-up and τ per mode and category")
     b.add_argument(
@@ -80,6 +86,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not questions:
         raise CliError("no questions to run")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise CliError(
+            f"--concurrency: expected comma-separated integers, got {args.concurrency!r}"
+        ) from None
+    if any(c < 1 for c in levels):
+        raise CliError(f"--concurrency: every level must be >= 1, got {args.concurrency!r}")
     also = [d.strip() for d in (args.also_dtype or "").split(",") if d.strip()]
     for dtype in also:
         if dtype not in DTYPES:
@@ -99,7 +113,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         result = run_bench(
-            engine, tokenizer, questions, modes, args.max_new_tokens, progress=console.log, others=others
+            engine,
+            tokenizer,
+            questions,
+            modes,
+            args.max_new_tokens,
+            progress=console.log,
+            others=others,
+            concurrency=levels,
         )
     except (UnknownModeError, ModeUnavailableError) as exc:
         raise CliError(str(exc)) from exc

@@ -27,6 +27,14 @@ def add_serve(sub: Any) -> None:
     w.add_argument(
         "--max-concurrent", type=int, default=4, help="generations at once; more get RESOURCE_EXHAUSTED"
     )
+    w.add_argument(
+        "--no-batching",
+        dest="batching",
+        action="store_false",
+        help="run each generation's forwards on their own instead of every active generation's new "
+        "tokens in one forward (continuous batching, the default)",
+    )
+    w.add_argument("--max-batch-rows", type=int, default=512, help="most new tokens in one batched forward")
     w.add_argument("--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM")
     w.add_argument("--default-max-new-tokens", type=int, default=256)
     w.add_argument("--worker-id", default=None)
@@ -93,7 +101,19 @@ def add_serve(sub: Any) -> None:
 def cmd_serve_worker(args: argparse.Namespace) -> int:
     security = server_security(args)
     _check_exposure(args.host, security)  # before the model loads
+    if args.max_batch_rows < 1:
+        raise CliError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
     engine, _, tokenizer = engine_from_args(args)
+    if args.batching:
+        from llm_worker.batching import BatchingConfig
+        from llm_worker.engine import Engine
+
+        engine = Engine(
+            engine.target,
+            engine.config,
+            resources=engine.resources,
+            batching=BatchingConfig(args.max_batch_rows),
+        )
     from llm_worker.registry import open_registry
     from llm_worker.server import ServerConfig, serve_worker
     from llm_worker.worker import Worker
