@@ -53,7 +53,7 @@ class BatchingConfig:
     """Longest a waiting forward waits for requests still drafting."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: its call holds tensors
 class _Pending:
     session: BatchSession
     call: ForwardCall
@@ -65,7 +65,7 @@ class _Pending:
 
 @dataclass(frozen=True)
 class BatchRecord:
-    """One forward the scheduler ran: how many requests, rows, and what each request committed."""
+    """One forward the scheduler ran: how many requests and rows it carried."""
 
     requests: int
     rows: int
@@ -88,7 +88,6 @@ class BatchScheduler:
         self._sessions: set[BatchSession] = set()
         self._stopped = False
         self.forwards = 0
-        self.rows = 0
         self.requests = 0  # request-forwards: Σ requests per forward
         self._thread = threading.Thread(target=self._loop, name="batch-scheduler", daemon=True)
         self._thread.start()
@@ -213,7 +212,6 @@ class BatchScheduler:
                 self._run([item])
             return
         self.forwards += 1
-        self.rows += rows
         self.requests += len(batch)
         if self.on_batch is not None:
             self.on_batch(BatchRecord(len(batch), rows))

@@ -19,17 +19,7 @@ from typing import Any
 from llm_worker.batching import BatchingConfig
 from llm_worker.engine import Engine, GenerationRequest, StepOutput
 from llm_worker.results import GenerationResult
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation; 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+from specdraft.common import percentile
 
 
 def run_concurrency(
