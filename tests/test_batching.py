@@ -8,6 +8,7 @@ distribution, cancellation, a bad request beside good ones, and the planner unde
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,45 @@ def test_forward_many_equals_each_call_alone(dtype: torch.dtype) -> None:
             assert torch.equal(a.queries[key], b.queries[key]), (i, key)
     for a, b in zip(alone_states, together_states, strict=True):  # the caches were written alike
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_grouped_attention_over_the_pool_equals_caches_of_their_own() -> None:
+    """Two requests in a two-slot pool (their decode rows and trees attend as one group), two
+    beyond it (caches of their own, attention per call), one growing the pool's capacity past
+    its first 512 positions: every output bit for bit that of a target without a pool; states
+    that are collected give their slots back."""
+    base = fast_target()
+    pooled = FastLlamaTarget(base.model, base.info, base.kernels, pool_slots=2)
+    private = FastLlamaTarget(base.model, base.info, base.kernels, pool_slots=0)
+    if not pooled.grouped_attention:
+        pytest.skip("batched attention GEMMs are not batch-invariant on this machine")
+    gen = torch.Generator().manual_seed(3)
+    lengths = (5, 300, 40, 510)  # the last one's step crosses 512: the pool grows under the others
+    prefixes = [torch.randint(0, 96, (n,), generator=gen) for n in lengths]
+    steps = [torch.randint(0, 96, (n,), generator=gen) for n in (1, 4, 1, 3)]
+    trees = [None, tree_buffers((-1, 0, 0)), None, None]
+
+    def run(target: FastLlamaTarget) -> tuple[list, list]:
+        states = []
+        with torch.inference_mode():
+            for prefix in prefixes:
+                state = target.start()
+                target.forward(state, prefix, None, NEEDS)
+                target.commit(state, range(len(prefix)))
+                states.append(state)
+            calls = [ForwardCall(s, t, tr, NEEDS) for s, t, tr in zip(states, steps, trees, strict=True)]
+            return target.forward_many(calls), states
+
+    (together, states), (alone, _) = run(pooled), run(private)
+    assert [s.pool is not None for s in states] == [True, True, False, False]
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert torch.equal(a.logits, b.logits), i
+        for layer in a.hidden:
+            assert torch.equal(a.hidden[layer], b.hidden[layer]), (i, layer)
+    del states, together
+    gc.collect()
+    again = [pooled.start() for _ in range(3)]
+    assert [s.pool is not None for s in again] == [True, True, False]
 
 
 # -- the engine with a scheduler ----------------------------------------------------------------

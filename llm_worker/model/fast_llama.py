@@ -3,8 +3,10 @@
 Same weights and the same arithmetic as transformers' forward (tests compare the two), with
 what speculative decoding needs built in:
 
-- the KV cache is one preallocated buffer per request: a commit moves at most the accepted
-  rows, never re-concatenates the whole cache;
+- the KV cache is preallocated: a commit moves at most the accepted rows, never re-concatenates
+  the whole cache; requests' caches sit side by side in one pool (``_KVPool``), so that a
+  forward over many requests (``forward_many``) runs their decode steps' attention as one
+  batched GEMM chain (``_grouped``) rather than a small one per request;
 - any tree attention mask, position ids from tree depths;
 - the hidden state of any layer and the post-RoPE query of any head, at no extra cost;
 - **batch invariance**: a token's logits (and its hidden states and K/V) are bit-identical
@@ -28,8 +30,11 @@ the context), qwen2 (q/k/v biases).
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Mapping, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +50,8 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 _GROW = 512  # KV capacity grows in steps of this many positions
 ATTENTION_CHUNK = 256  # keys per reduction chunk of the attention (divides _GROW)
 _PREFILL_ROWS = 1024  # the largest forward whose attention invariance is checked (prefill chunks: 256)
+POOL_SLOTS = 16  # requests whose caches share the pool (more get caches of their own)
+GROUPED_MAX_ROWS = 32  # calls of up to this many rows run their attention grouped (decode steps, trees)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -83,18 +90,125 @@ class _Part:
     n: int  # its rows
     start: int  # its committed length: the cache slot of its first row
     positions: torch.Tensor  # [n] each row's position
-    bias: torch.Tensor  # [group · n, T] its attention mask (``_bias``, repeated per query head of a group)
+    mask: torch.Tensor  # [n, T] its attention mask (``_bias``)
+    bias: torch.Tensor | None = None  # [group · n, T] the mask repeated per query head of a group
 
     @property
     def rows(self) -> slice:
         return slice(self.row, self.row + self.n)
 
+    @property
+    def pooled(self) -> bool:
+        return self.state.pool is not None and self.n <= GROUPED_MAX_ROWS
+
+
+@dataclass
+class _Group:
+    """Pooled calls whose attention runs as one batched GEMM chain over the pool's slots lo..hi
+    (``FastLlamaTarget._grouped``); slots in between that are not members compute zero queries
+    whose results are dropped."""
+
+    lo: int
+    hi: int
+    n_max: int  # query tokens per slot: every member's rows, padded with zero queries
+    rows: torch.Tensor  # [m] the members' rows in the forward
+    slots: torch.Tensor  # [m] each row's slot
+    cache: torch.Tensor  # [m] each row's cache position (its call's start + its row)
+    dest: torch.Tensor  # [m] each row's place among the group's queries: (slot − lo) · n_max + row
+    bias: torch.Tensor  # [slots, rows, T] masks, query rows laid out as ``_grouped``'s (``_query_rows``)
+
+
+BufferMaker = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+"""(slots, capacity) → zeroed keys [layers, slots, kv, capacity, d] and values [..., d + 1]."""
+
+
+class _KVPool:
+    """The KV caches of up to ``max_slots`` requests side by side in one buffer (keys
+    [layers, slots, kv, capacity, d], values [..., d + 1]), so that attention can run every
+    pooled request's decode rows as one batched GEMM over a slice of slots (``_grouped``) instead
+    of one small GEMM chain per request. Slots and capacity grow by reallocation (every slot
+    shares the capacity of the longest request); a slot is freed when its state is collected.
+    Callers hold the target's lock: growth must not race a forward's or a commit's writes."""
+
+    def __init__(self, make: BufferMaker, max_slots: int) -> None:
+        self.make = make
+        self.max_slots = max_slots
+        self.keys, self.values = make(0, _GROW)
+        self._free: list[int] = []  # slots below ``slots`` nobody holds, as a heap
+        self._released: list[int] = []  # appended by finalizers (any thread), drained under the lock
+
+    @property
+    def slots(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[3])
+
+    def acquire(self) -> int | None:
+        """The lowest free slot (so the slots in use stay packed), or None when the pool is full."""
+        while self._released:
+            heapq.heappush(self._free, self._released.pop())
+        if not self._free:
+            if self.slots >= self.max_slots:
+                return None
+            self._resize(min(self.max_slots, max(1, 2 * self.slots)), self.capacity)
+        return heapq.heappop(self._free)
+
+    def release(self, slot: int) -> None:
+        self._released.append(slot)  # list.append is atomic: safe from a finalizer in any thread
+
+    def reserve(self, capacity: int) -> None:
+        if capacity > self.capacity:
+            self._resize(self.slots, capacity)
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        keys, values = self.make(slots, capacity)
+        old_slots, old_capacity = self.slots, self.capacity
+        keys[:, :old_slots, :, :old_capacity] = self.keys
+        values[:, :old_slots, :, :old_capacity] = self.values
+        self.keys, self.values = keys, values
+        for slot in range(old_slots, slots):
+            heapq.heappush(self._free, slot)
+
 
 class _KVState(SequenceState):
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """One request's cache: a slot of the pool, or its own buffers when the pool is full."""
+
+    def __init__(
+        self,
+        pool: _KVPool | None,
+        slot: int,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+    ) -> None:
         self.length = 0
-        self.keys = keys  # [layers, 1, kv_heads, capacity, head_dim]
-        self.values = values  # [layers, 1, kv_heads, capacity, head_dim + 1]: the last column is 1
+        self.pool = pool
+        self.slot = slot
+        self._keys = keys
+        self._values = values
+        if pool is not None:
+            weakref.finalize(self, pool.release, slot)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """[layers, 1, kv_heads, capacity, head_dim]"""
+        if self.pool is not None:
+            return self.pool.keys[:, self.slot : self.slot + 1]
+        assert self._keys is not None
+        return self._keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[layers, 1, kv_heads, capacity, head_dim + 1]: the last column is 1"""
+        if self.pool is not None:
+            return self.pool.values[:, self.slot : self.slot + 1]
+        assert self._values is not None
+        return self._values
+
+    def set_buffers(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        assert self.pool is None
+        self._keys, self._values = keys, values
 
 
 def _fuse(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
@@ -127,9 +241,11 @@ class FastLlamaTarget(TargetModel):
         info: TargetInfo,
         gemm_kernels: Mapping[str, Kernel] | KernelChooser | None = None,
         attention_chunk: int = ATTENTION_CHUNK,
+        pool_slots: int = POOL_SLOTS,
     ) -> None:
         """``gemm_kernels``: a kernel per role (``kernels.ROLES``), or a chooser handed the fused
-        weights (``kernels.measured_chooser``); None: torch's own BLAS call for every role."""
+        weights (``kernels.measured_chooser``); None: torch's own BLAS call for every role.
+        ``pool_slots``: requests whose caches share one buffer (``_KVPool``); 0: each its own."""
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast backend: {reason}")
@@ -156,6 +272,12 @@ class FastLlamaTarget(TargetModel):
             self.device,
             self.attn_dtype,
         )  # query rows attention's batched GEMMs are padded to (measured here: invariant from it)
+        # Forwards, commits and new states take the lock: the pool may move when it grows.
+        self._lock = threading.RLock()
+        self._pool = _KVPool(self._buffers, pool_slots)
+        self.grouped_attention = self._grouped_exact()
+        """Whether pooled requests' attention runs grouped (``_grouped``): checked bitwise against
+        ``_attention`` on this machine (batched GEMMs whose rows do not depend on the batch)."""
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm.weight.detach()
@@ -225,6 +347,7 @@ class FastLlamaTarget(TargetModel):
             "gemm_kernels": {role: k.name for role, k in self.kernels.items()},
             "attention_chunk": self.chunk,
             "attention_min_rows": self.attention_rows,
+            "grouped_attention": self.grouped_attention,
         }
         if self.kernel_report is not None:
             info["gemm_kernel_candidates"] = self.kernel_report.to_json()
@@ -233,13 +356,18 @@ class FastLlamaTarget(TargetModel):
     # -- KV state ---------------------------------------------------------------------------
 
     def start(self) -> SequenceState:
-        return _KVState(*self._buffers(_GROW))
+        with self._lock:
+            slot = self._pool.acquire()
+            if slot is not None:
+                return _KVState(self._pool, slot)
+            keys, values = self._buffers(1, _GROW)
+            return _KVState(None, -1, keys, values)
 
-    def _buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [layers, 1, kv, capacity, d]; values [layers, 1, kv, capacity, d + 1] whose last
-        column is 1 (the attention's softmax denominator, see ``_attention``)."""
+    def _buffers(self, slots: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [layers, slots, kv, capacity, d]; values [layers, slots, kv, capacity, d + 1] whose
+        last column is 1 (the attention's softmax denominator, see ``_attention``)."""
         i = self.info
-        shape = (i.num_layers, 1, i.num_kv_heads, capacity, i.head_dim)
+        shape = (i.num_layers, slots, i.num_kv_heads, capacity, i.head_dim)
         values = torch.zeros((*shape[:-1], i.head_dim + 1), dtype=self.attn_dtype, device=self.device)
         values[..., -1] = 1
         return torch.zeros(shape, dtype=self.attn_dtype, device=self.device), values
@@ -252,10 +380,13 @@ class FastLlamaTarget(TargetModel):
             return
         wanted = max(needed, min(capacity * 2, self.info.max_context + _GROW))
         new_capacity = -(-wanted // _GROW) * _GROW
-        keys, values = self._buffers(new_capacity)
+        if state.pool is not None:
+            state.pool.reserve(new_capacity)
+            return
+        keys, values = self._buffers(1, new_capacity)
         keys[:, :, :, : state.length] = state.keys[:, :, :, : state.length]
         values[:, :, :, : state.length] = state.values[:, :, :, : state.length]
-        state.keys, state.values = keys, values
+        state.set_buffers(keys, values)
 
     def branching_rows_limit(self, state: SequenceState) -> int | None:
         """Rows up to the next key-chunk boundary. A tree node's key sits at slot start + row of
@@ -276,8 +407,10 @@ class FastLlamaTarget(TargetModel):
         if rows != list(range(len(rows))):
             index = torch.tensor(rows, device=self.device) + start
             dest = slice(start, start + len(rows))
-            state.keys[:, :, :, dest] = state.keys.index_select(3, index)
-            state.values[:, :, :, dest] = state.values.index_select(3, index)
+            with self._lock:  # the pool must not move while the rows are copied
+                keys, values = state.keys, state.values
+                keys[:, :, :, dest] = keys.index_select(3, index)
+                values[:, :, :, dest] = values.index_select(3, index)
         state.length = start + len(rows)
 
     # -- forward ----------------------------------------------------------------------------
@@ -330,6 +463,85 @@ class FastLlamaTarget(TargetModel):
         out = total[..., :d] / total[..., d:]
         return out.view(kv, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
+    def _grouped(
+        self,
+        q: torch.Tensor,  # [m, heads, d] post-RoPE queries of every member's rows
+        keys: torch.Tensor,  # [slots, kv, capacity, d] the pool's slots lo..hi, new rows written
+        values: torch.Tensor,  # [slots, kv, capacity, d + 1]
+        bias: torch.Tensor,  # [slots, group · n_max, T] (``_Group.bias``)
+        dest: torch.Tensor,  # [m] each row's place among the slots' queries (``_Group.dest``)
+        n_max: int,
+    ) -> torch.Tensor:
+        """``_attention`` of several requests at once: [m, heads · d], each row bit-identical to
+        its request's own ``_attention``. The queries of slot s are laid out [kv, n_max · group, d]
+        (a zero query where a slot has fewer rows; zero rows up to ``attention_rows``), the slots
+        stacked along the batch dimension of
+        the same two batched GEMMs (scores over T keys, then weights · values chunk by chunk), so
+        a request's rows see its own keys and mask in the same reduction grid as alone: a row's
+        GEMM results do not depend on the batch or the row count (``_grouped_exact`` checks it on
+        this machine), a key beyond the request's own T is blocked (its weight exactly 0) and so
+        are all-zero trailing chunks (x + 0 = x)."""
+        _, heads, d = q.shape
+        slots, kv = keys.shape[0], keys.shape[1]
+        group, t, c = heads // kv, bias.shape[2], self.chunk
+        used, rows = n_max * group, bias.shape[1]  # query rows, and padded to the GEMMs' minimum
+        queries = q.new_zeros(slots * n_max, heads, d).index_copy_(0, dest, q)
+        qg = queries.view(slots, n_max, kv, group, d).permute(0, 2, 1, 3, 4).reshape(slots * kv, used, d)
+        if rows > used:
+            qg = F.pad(qg, (0, 0, 0, rows - used))
+        k = keys[:, :, :t].reshape(slots * kv, t, d)
+        v = values[:, :, :t].reshape(slots * kv, t, d + 1)
+        scores = torch.bmm(qg, k.transpose(1, 2)).mul_(1.0 / math.sqrt(d))  # [slots · kv, rows, T]
+        scores.view(slots, kv, rows, t).add_(bias[:, None])
+        weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        total = torch.bmm(weights[:, :, :c], v[:, :c])  # [slots · kv, rows, d + 1]
+        for start in range(c, t, c):
+            total += torch.bmm(weights[:, :, start : start + c], v[:, start : start + c])
+        out = total[:, :used, :d] / total[:, :used, d:]
+        out = out.view(slots, kv, n_max, group, d).permute(0, 2, 1, 3, 4).reshape(slots * n_max, heads * d)
+        return out.index_select(0, dest)
+
+    def _grouped_exact(self) -> bool:
+        """Whether ``_grouped`` gives every row bitwise what ``_attention`` gives its request alone,
+        on random caches of mixed lengths, row counts and group sizes, on this machine."""
+        i = self.info
+        gen = torch.Generator().manual_seed(0)
+        c, kv, d, group = self.chunk, i.num_kv_heads, i.head_dim, i.num_heads // i.num_kv_heads
+        capacity = 3 * c
+        keys = torch.randn(4, kv, capacity, d, generator=gen).to(self.device, self.attn_dtype)
+        values = torch.randn(4, kv, capacity, d + 1, generator=gen).to(self.device, self.attn_dtype)
+        values[..., -1] = 1
+        calls = [(c - 1, 1), (2 * c + 5, 3), (0, 1), (3 * c - 7, 2)]  # (start, rows) per slot
+        for members in ([0], [1], [0, 1], [0, 1, 2, 3], [1, 3]):
+            n_max = max(calls[s][1] for s in members)
+            starts_ends = [(calls[s][0], calls[s][0] + calls[s][1]) for s in members]
+            t = max(-(-end // c) * c for _, end in starts_ends)
+            lo, hi = min(members), max(members) + 1
+            bias = torch.zeros(hi - lo, n_max, t, dtype=self.attn_dtype, device=self.device)
+            queries: list[torch.Tensor] = []
+            dest: list[int] = []
+            alone: list[torch.Tensor] = []
+            for s, (start, end) in zip(members, starts_ends, strict=True):
+                n = end - start
+                mask = self._bias(start, n, None)
+                bias[s - lo, :n, : mask.shape[1]] = mask
+                bias[s - lo, :n, mask.shape[1] :] = float("-inf")
+                q = torch.randn(n, i.num_heads, d, generator=gen).to(self.device, self.attn_dtype)
+                queries.append(q)
+                dest.extend((s - lo) * n_max + r for r in range(n))
+                alone.append(self._attention(q, keys[s], values[s], mask.repeat(group, 1)))
+            together = self._grouped(
+                torch.cat(queries),
+                keys[lo:hi],
+                values[lo:hi],
+                self._query_rows(bias),
+                torch.tensor(dest, device=self.device),
+                n_max,
+            )
+            if not torch.equal(together, torch.cat(alone)):
+                return False
+        return True
+
     def _bias(self, start: int, n: int, tree: TreeBuffers | None) -> torch.Tensor:
         """[n, T] additive mask: 0 where row i may look, −inf elsewhere.
 
@@ -369,18 +581,76 @@ class FastLlamaTarget(TargetModel):
                 f"context of {last_position + 1} tokens exceeds the model's limit of {self.info.max_context}"
             )
         self._reserve(call.state, start + n)
+        part = _Part(call.state, row, n, start, offsets + start, self._bias(start, n, tree))
+        if not (self.grouped_attention and part.pooled):
+            group = self.info.num_heads // self.info.num_kv_heads
+            part.bias = part.mask.repeat(group, 1)  # [group · n, T], rows as in _attention's qg
+        return part
+
+    def _group(self, parts: Sequence[_Part]) -> _Group | None:
+        """Lay out the pooled calls' grouped attention (``_grouped``), or None if there are fewer
+        than two."""
+        members = [p for p in parts if p.bias is None]
+        if len(members) < 2:  # one request: its own attention is the same, with fewer operations
+            for p in members:
+                p.bias = p.mask.repeat(self.info.num_heads // self.info.num_kv_heads, 1)
+            return None
+        lo = min(p.state.slot for p in members)
+        hi = max(p.state.slot for p in members) + 1
+        n_max = max(p.n for p in members)
+        t = max(p.mask.shape[1] for p in members)
+        bias = torch.zeros(hi - lo, n_max, t, dtype=self.attn_dtype, device=self.device)
+        rows: list[int] = []
+        slots: list[int] = []
+        cache: list[int] = []
+        dest: list[int] = []
+        for p in members:
+            slot = p.state.slot
+            bias[slot - lo, : p.n, : p.mask.shape[1]] = p.mask
+            bias[slot - lo, : p.n, p.mask.shape[1] :] = float("-inf")
+            rows.extend(range(p.row, p.row + p.n))
+            slots.extend([slot] * p.n)
+            cache.extend(range(p.start, p.start + p.n))
+            dest.extend(range((slot - lo) * n_max, (slot - lo) * n_max + p.n))
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return _Group(
+            lo,
+            hi,
+            n_max,
+            index(rows),
+            index(slots),
+            index(cache),
+            index(dest),
+            self._query_rows(bias),
+        )
+
+    def _query_rows(self, bias: torch.Tensor) -> torch.Tensor:
+        """[slots, n_max, T] token masks → [slots, rows, T], a row per query head of a group and
+        zero rows (which see every key) up to ``attention_rows``: ``_grouped``'s layout."""
         group = self.info.num_heads // self.info.num_kv_heads
-        bias = self._bias(start, n, tree).repeat(group, 1)  # [group · n, T], rows as in _attention's qg
-        return _Part(call.state, row, n, start, offsets + start, bias)
+        rows = bias.repeat_interleave(group, dim=1)
+        extra = self.attention_rows - rows.shape[1]
+        return F.pad(rows, (0, 0, 0, extra)) if extra > 0 else rows
 
     def forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
         """One forward over every call's rows: embeddings, norms, RoPE and the GEMMs run on all
-        rows at once (each row-invariant, so a row's numbers do not depend on its neighbours),
-        attention per call over its own cache and mask (the same ``_attention`` as alone)."""
+        rows at once (each row-invariant, so a row's numbers do not depend on its neighbours);
+        attention of the pooled calls of up to ``GROUPED_MAX_ROWS`` rows (decode steps, draft
+        trees) as one group over their slots (``_grouped``), of the others (prefill chunks,
+        requests beyond the pool) per call over its own cache (``_attention``), the two
+        bit-identical."""
+        with self._lock:
+            return self._forward_many(calls)
+
+    def _forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
         info = self.info
         parts: list[_Part] = []
         for call in calls:
             parts.append(self._part(call, sum(p.n for p in parts)))
+        grouped = self._group(parts)  # after every _part: reserving may have grown the pool
         total = sum(p.n for p in parts)
         heads, kv_heads, head_dim = info.num_heads, info.num_kv_heads, info.head_dim
 
@@ -415,16 +685,32 @@ class FastLlamaTarget(TargetModel):
             qk = self._rotate(qkv[:, : q_size + kv_size].view(total, heads + kv_heads, head_dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]  # [total, heads, d], [total, kv, d]
             v = qkv[:, q_size + kv_size :].view(total, kv_heads, head_dim)
-            attended = []
+            attn = q.new_empty(total, heads * head_dim)
+            if grouped is not None:
+                pool_keys, pool_values = self._pool.keys[index], self._pool.values[index]
+                pool_keys[grouped.slots, :, grouped.cache] = k[grouped.rows]
+                pool_values[grouped.slots, :, grouped.cache, :head_dim] = v[grouped.rows]
+                span = slice(grouped.lo, grouped.hi)
+                attn[grouped.rows] = self._grouped(
+                    q[grouped.rows],
+                    pool_keys[span],
+                    pool_values[span],
+                    grouped.bias,
+                    grouped.dest,
+                    grouped.n_max,
+                )
             for part, out, by_layer in zip(parts, outs, wanted_heads, strict=True):
-                rows, start, end = part.rows, part.start, part.start + part.n
+                rows = part.rows
+                for head in by_layer.get(index, ()):
+                    out.queries[(index, head)] = q[rows, head]
+                if part.bias is None:
+                    continue  # grouped above
+                start, end = part.start, part.start + part.n
                 keys, values = part.state.keys[index, 0], part.state.values[index, 0]  # [kv, capacity, d]
                 keys[:, start:end] = k[rows].transpose(0, 1)
                 values[:, start:end, :head_dim] = v[rows].transpose(0, 1)
-                for head in by_layer.get(index, ()):
-                    out.queries[(index, head)] = q[rows, head]
-                attended.append(self._attention(q[rows], keys, values, part.bias))  # [n, heads · d]
-            attn = (attended[0] if len(attended) == 1 else torch.cat(attended)).to(self.dtype)
+                attn[rows] = self._attention(q[rows], keys, values, part.bias)  # [n, heads · d]
+            attn = attn.to(self.dtype)
             h = h + layer.o(F.pad(attn, (0, 0, 0, pad)) if pad else attn)
             gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
