@@ -160,8 +160,7 @@ class GenerationUser(User):
                 self._fire("GenerateStream", started, tokens, _failure(exc))
                 return
         self._fire("GenerateStream", started, tokens, None)
-        seconds = time.perf_counter() - started
-        _record(tokens, seconds, (first or time.perf_counter()) - started, final)
+        _record(tokens, started, (first or time.perf_counter()) - started, final)
         if final is not None:
             self._recorded(index, final)
 
@@ -179,7 +178,7 @@ class GenerationUser(User):
                 self._fire("Generate", started, 0, _failure(exc))
                 return
         self._fire("Generate", started, len(resp.token_ids), None)
-        _record(len(resp.token_ids), time.perf_counter() - started, None, resp)
+        _record(len(resp.token_ids), started, None, resp)
         self._recorded(index, resp)
 
 
@@ -200,8 +199,17 @@ def _failure(exc: grpc.RpcError) -> Exception:
     return RuntimeError(f"{code.name if code else 'ERROR'}: {detail}")
 
 
-def _record(tokens: int, seconds: float, ttft: float | None, final: Any) -> None:
-    row = {"tokens": float(tokens), "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9)}
+def _record(tokens: int, started: float, ttft: float | None, final: Any) -> None:
+    """One finished generation; ``started``: its ``time.perf_counter()`` when the call began."""
+    finished = time.perf_counter()
+    seconds = finished - started
+    row = {
+        "tokens": float(tokens),
+        "seconds": seconds,
+        "tokens_per_second": tokens / max(seconds, 1e-9),
+        "started": started,
+        "finished": finished,
+    }
     if ttft is not None:
         row["ttft"] = ttft
     if final is not None and final.HasField("stats"):
@@ -210,12 +218,18 @@ def _record(tokens: int, seconds: float, ttft: float | None, final: Any) -> None
 
 
 def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
-    """Per-generation tokens/s, TTFT and τ over the run (medians and p95)."""
+    """Per-generation tokens/s, TTFT and τ over the run (medians and p95), and the aggregate:
+    every finished generation's tokens over the wall time from the first one's start to the last
+    one's end (``bench --concurrency``'s figure, as the load test's users saw it)."""
 
     def pct(values: list[float], q: float) -> float:
         return percentile(values, q) if values else float("nan")
 
-    out: dict[str, Any] = {"generations": len(rows), "tokens": int(sum(r["tokens"] for r in rows))}
+    tokens = sum(r["tokens"] for r in rows)
+    out: dict[str, Any] = {"generations": len(rows), "tokens": int(tokens)}
+    timed = [r for r in rows if "started" in r]
+    wall = max(r["finished"] for r in timed) - min(r["started"] for r in timed) if timed else 0.0
+    out["aggregate_tokens_per_second"] = tokens / wall if wall > 0 else float("nan")
     for key in ("tokens_per_second", "ttft", "tau"):
         values = [r[key] for r in rows if key in r]
         out[key] = {

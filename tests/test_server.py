@@ -295,10 +295,13 @@ def test_bench_grpc_reports_overhead_per_call_and_per_token(
         assert report[key]["median"] <= report[key]["p99"]
 
 
-def test_a_batching_worker_shares_forwards_and_answers_as_alone(worker: Worker) -> None:
+def test_a_batching_worker_shares_forwards_and_answers_as_alone(
+    worker: Worker, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """The worker as ``serve worker`` runs it (continuous batching): concurrent streamed and unary
     calls of several modes equal the unbatched in-process results, the forwards were shared, and
-    /metrics reports requests per forward and draft tokens per step."""
+    /metrics reports requests per forward and draft tokens per step; ``bench-grpc --concurrency``
+    against it reports the documented figures."""
     from llm_worker.batching import BatchingConfig
     from llm_worker.engine import Engine
 
@@ -330,6 +333,41 @@ def test_a_batching_worker_shares_forwards_and_answers_as_alone(worker: Worker) 
         assert engine.scheduler is not None and engine.scheduler.mean_batch_size > 1.0
         text = scrape(port)
         assert "specdraft_batch_requests_count" in text and "specdraft_draft_tokens_per_step_count" in text
+
+        # bench-grpc --concurrency against it: the documented figures, as a client sees them
+        argv = ["bench-grpc", "--server", srv.address, "--metrics", f"http://127.0.0.1:{port}/metrics"]
+        questions = tmp_path / "questions.jsonl"
+        questions.write_text(
+            "".join(
+                json.dumps({"question_id": i, "category": "copy", "turns": [texts[i]]}) + "\n"
+                for i in range(4)
+            )
+        )
+        argv += ["--concurrency", "1,3", "--modes", "ar,pld", "--questions", str(questions)]
+        argv += ["--limit", "3", "--max-new-tokens", "6"]
+        assert main(argv) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["questions"] == 3 and report["max_new_tokens"] == 6
+        for mode in ("ar", "pld"):
+            by_level = report["modes"][mode]["concurrency"]
+            assert set(by_level) == {"1", "3"}
+            for figures in by_level.values():
+                assert set(GRPC_FIGURES) <= set(figures), mode
+                assert figures["identical_to_ar"] is True and figures["new_tokens"] == 18
+                assert figures["latency_p50_seconds"] <= figures["latency_p95_seconds"]
+            assert by_level["3"]["mean_batch_size"] >= 1.0
     finally:
         srv.stop()
         engine.close()
+
+
+GRPC_FIGURES = (
+    "aggregate_tokens_per_second",
+    "latency_p50_seconds",
+    "latency_p95_seconds",
+    "ttft_p50_seconds",
+    "ttft_p95_seconds",
+    "mean_batch_size",
+    "draft_tokens_per_request_step",
+    "identical_to_ar",
+)

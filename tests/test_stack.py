@@ -115,6 +115,7 @@ def test_locust_headless_run_has_no_failures(stack: tuple[Path, StackState], tmp
     assert {"GenerateStream", "GenerateStream TTFT"} <= set(rows)
     summary = json.loads(Path(f"{prefix}_generation.json").read_text())
     assert summary["generations"] > 0 and summary["tokens"] > 0
+    assert summary["aggregate_tokens_per_second"] > 0
     assert (tmp_path / "load.html").stat().st_size > 0
 
 

@@ -58,6 +58,21 @@ def add_bench(sub: Any) -> None:
     bg.add_argument("--calls", type=positive_int, default=50, help="unary + streaming pairs")
     bg.add_argument("--max-new-tokens", type=positive_int, default=32)
     bg.add_argument("--mode", default="ar")
+    bg.add_argument(
+        "--concurrency",
+        default="",
+        help="instead of the overhead: closed-loop users streaming the suite's first turns at each of "
+        "these concurrencies (comma-separated, e.g. 1,2,4,8), every mode of --modes; the figures of "
+        "bench --concurrency as a client sees them",
+    )
+    bg.add_argument("--modes", default="ar,pld+h", help="modes of --concurrency (comma-separated)")
+    bg.add_argument("--questions", help="JSONL in Spec-Bench's format (question_id, category, turns)")
+    bg.add_argument("--suite", default="input-guided", help="built-in suite when --questions is not given")
+    bg.add_argument("--limit", type=int, default=0, help="run only the first N questions")
+    bg.add_argument(
+        "--metrics",
+        help="with --server: the worker's /metrics URL, for requests per forward (default: not reported)",
+    )
     bg.add_argument("--json-out", help="write the report as JSON here")
     add_client_security_args(bg)
     bg.set_defaults(func=cmd_bench_grpc)
@@ -72,9 +87,19 @@ def add_bench(sub: Any) -> None:
     c.set_defaults(func=cmd_calibrate)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
+def concurrency_levels(text: str) -> list[int]:
+    """``--concurrency 1,2,4,8`` → [1, 2, 4, 8]; a CLI error for anything else."""
+    try:
+        levels = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise CliError(f"--concurrency: expected comma-separated integers, got {text!r}") from None
+    if any(c < 1 for c in levels):
+        raise CliError(f"--concurrency: every level must be >= 1, got {text!r}")
+    return levels
 
+
+def suite_questions(args: argparse.Namespace) -> list[Any]:
+    """The questions ``--questions`` / ``--suite`` and ``--limit`` name."""
     from client.bench.suite import builtin_suite, load_questions
 
     try:
@@ -85,15 +110,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         questions = questions[: args.limit]
     if not questions:
         raise CliError("no questions to run")
+    return list(questions)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    questions = suite_questions(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    try:
-        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    except ValueError:
-        raise CliError(
-            f"--concurrency: expected comma-separated integers, got {args.concurrency!r}"
-        ) from None
-    if any(c < 1 for c in levels):
-        raise CliError(f"--concurrency: every level must be >= 1, got {args.concurrency!r}")
+    levels = concurrency_levels(args.concurrency)
     also = [d.strip() for d in (args.also_dtype or "").split(",") if d.strip()]
     for dtype in also:
         if dtype not in DTYPES:
@@ -138,6 +163,8 @@ def cmd_bench_grpc(args: argparse.Namespace) -> int:
     from client.bench.grpc_overhead import PROMPT, measure_overhead, measure_overhead_new_worker
     from client.stack import StackError
 
+    if args.concurrency:
+        return bench_grpc_concurrency(args)
     if args.server:
         report = measure_overhead(
             list(addresses(args.server)),
@@ -154,6 +181,41 @@ def cmd_bench_grpc(args: argparse.Namespace) -> int:
         except StackError as exc:
             raise CliError(str(exc)) from exc
     print_json(report.to_json(), args.json_out, indent=2)
+    return 0
+
+
+def bench_grpc_concurrency(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from client.bench.grpc_concurrency import run_grpc_concurrency, run_grpc_concurrency_new_worker
+    from client.stack import StackError
+
+    levels = concurrency_levels(args.concurrency)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise CliError("--modes: no mode given")
+    prompts = [q.turns[0] for q in suite_questions(args)]
+    console = Console(stderr=True)
+    try:
+        if args.server:
+            report = run_grpc_concurrency(
+                list(addresses(args.server)),
+                prompts,
+                modes,
+                levels,
+                args.max_new_tokens,
+                args.metrics,
+                security=client_security(args),
+                progress=console.log,
+            )
+        else:
+            worker = worker_model_args(args, args.threads)
+            report = run_grpc_concurrency_new_worker(
+                worker, prompts, modes, levels, args.max_new_tokens, progress=console.log
+            )
+    except StackError as exc:
+        raise CliError(str(exc)) from exc
+    print_json(report, args.json_out, indent=2)
     return 0
 
 
