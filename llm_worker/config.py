@@ -35,6 +35,11 @@ class ModelConfig:
     as is, invariant or not."""
     attention_chunk: int = 256
     """Fast backend: keys per chunk of the attention's fixed reduction grid (divides 512)."""
+    kv_pool_slots: int = 16
+    """Fast backend: requests whose KV caches share one pool, so that their decode steps'
+    attention runs as one batched GEMM chain (more concurrent requests get caches of their own;
+    0: every request its own). The pool's capacity follows its longest request: slots ×
+    capacity × layers × KV heads × (2 · head_dim + 1) × 4 bytes."""
     backend: Literal["auto", "fast", "hf"] = "auto"
     """"fast": our Llama-family forward over a preallocated KV cache (trees, hidden states and
     per-head queries for free); "hf": the model's own transformers forward (any causal LM);

@@ -251,6 +251,8 @@ class FastLlamaTarget(TargetModel):
             raise ValueError(f"fast backend: {reason}")
         if attention_chunk < 1 or _GROW % attention_chunk:
             raise ValueError(f"attention_chunk must divide {_GROW}, got {attention_chunk}")
+        if pool_slots < 0:
+            raise ValueError(f"kv_pool_slots must be >= 0, got {pool_slots}")
         self.model = model
         self.info = info
         self.device = torch.device(info.device)
