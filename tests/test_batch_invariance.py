@@ -31,10 +31,17 @@ def positions(n: int) -> list[int]:
     return sorted({0, n // 2, n - 1})
 
 
-def tiny_fast(dtype: torch.dtype, kernel: str = "auto") -> FastLlamaTarget:
+FUSED = (True, False)
+"""The fused kernels (``native``) and the torch-operation path, each batch-invariant."""
+
+
+def tiny_fast(dtype: torch.dtype, kernel: str = "auto", fused: bool = True) -> FastLlamaTarget:
     model = tiny_model("llama", layers=2).to(dtype)
-    target = wrap_model(model, None, ModelConfig(backend="fast", kernel=kernel, dtype=str(dtype)[6:]))
+    cfg = ModelConfig(backend="fast", kernel=kernel, dtype=str(dtype)[6:], fused_kernels=fused)
+    target = wrap_model(model, None, cfg)
     assert isinstance(target, FastLlamaTarget)
+    if fused:
+        assert target.fused is not None, "the fused kernels must build and run on the test machines"
     return target
 
 
@@ -56,7 +63,7 @@ def test_chosen_gemm_kernel_is_row_invariant_for_the_model_shapes(dtype: torch.d
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_elementwise_operations_are_row_invariant(dtype: torch.dtype) -> None:
-    target = tiny_fast(dtype)
+    target = tiny_fast(dtype, fused=False)
     gen = torch.Generator().manual_seed(2)
     x = (3 * torch.randn(max(SIZES), 64, generator=gen)).to(dtype)
     heads = torch.randn(max(SIZES), 6, 16, generator=gen)  # RoPE runs in float32 (attention's dtype)
@@ -86,7 +93,7 @@ def test_elementwise_operations_are_row_invariant(dtype: torch.dtype) -> None:
 def test_attention_is_row_invariant_across_chunk_boundaries(dtype: torch.dtype, start: int) -> None:
     """A query alone (its keys up to itself) equals the same query inside n causal rows, also when
     the n rows reach into the next key chunk."""
-    target = tiny_fast(dtype)
+    target = tiny_fast(dtype, fused=False)
     gen = torch.Generator().manual_seed(3)
     heads, kv, d = 4, 2, 16
     keys = torch.randn(kv, 512, d, generator=gen)  # attention runs in float32 on CPU, any weights dtype
@@ -132,12 +139,13 @@ def assert_same_row(batch, r: int, alone, label: object) -> None:
         assert torch.equal(q[r], alone.queries[key][0]), (label, "query", key)
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", ["auto", "onednn:4"])
-def test_forward_rows_equal_tokens_decoded_alone(dtype: torch.dtype, kernel: str) -> None:
+def test_forward_rows_equal_tokens_decoded_alone(dtype: torch.dtype, kernel: str, fused: bool) -> None:
     if kernel != "auto" and not kernels.onednn_available(torch.device("cpu"), dtype):
         pytest.skip("oneDNN prepacking is not available here")
-    target = tiny_fast(dtype, kernel)
+    target = tiny_fast(dtype, kernel, fused)
     gen = torch.Generator().manual_seed(4)
     prefix = torch.randint(0, 96, (250,), generator=gen)  # drafts cross the 256-key chunk boundary
     tokens = torch.randint(0, 96, (max(SIZES),), generator=gen).tolist()
@@ -149,10 +157,11 @@ def test_forward_rows_equal_tokens_decoded_alone(dtype: torch.dtype, kernel: str
                 assert_same_row(out, i, alone[i], (dtype, kernel, n, i))
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tree_rows_and_prefill_rows_equal_tokens_decoded_alone(dtype: torch.dtype) -> None:
+def test_tree_rows_and_prefill_rows_equal_tokens_decoded_alone(dtype: torch.dtype, fused: bool) -> None:
     """Branches of a tree (each node at its depth, siblings beside it) and rows of a prefill."""
-    target = tiny_fast(dtype)
+    target = tiny_fast(dtype, fused=fused)
     gen = torch.Generator().manual_seed(5)
     prefix = torch.randint(0, 96, (40,), generator=gen)
     # root 11 → 22 → 33 → 44, and 55 a sibling of 22 (parents index draft nodes; -1 = the root)
@@ -176,12 +185,14 @@ def test_tree_rows_and_prefill_rows_equal_tokens_decoded_alone(dtype: torch.dtyp
 
 
 def test_a_branching_tree_is_trimmed_at_a_key_chunk_boundary_and_a_chain_is_not() -> None:
+    """The torch-operation path's attention sums keys in a grid of 256-key chunks: a sibling's key
+    may not push a node's key into the next chunk."""
     from llm_worker.config import SamplingParams
     from llm_worker.sampling import SamplingNoise
     from llm_worker.types import DraftTree
     from llm_worker.verify.steps import TREE, decider
 
-    target = tiny_fast(torch.float32)
+    target = tiny_fast(torch.float32, fused=False)
     decide = decider(SamplingParams(), SamplingNoise(0, target.info.vocab_size))
     tree = DraftTree((5, 6, 7, 8), (-1, 0, -1, 2))
     chain = DraftTree.chain((5, 6, 7, 8))
@@ -193,6 +204,25 @@ def test_a_branching_tree_is_trimmed_at_a_key_chunk_boundary_and_a_chain_is_not(
             assert target.branching_rows_limit(state) == 256 - start
             step = TREE.step(target, state, 3, draft, NEEDS, decide, start + 1)
             assert len(step.decided) == kept, (draft, start)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_attention_keeps_a_branching_tree_across_a_chunk_boundary(dtype: torch.dtype) -> None:
+    """The fused attention has no key grid (a query sums its visible keys in order): no limit on a
+    tree's rows, and a node whose key sits past its siblings' still equals the token decoded alone."""
+    target = tiny_fast(dtype)
+    gen = torch.Generator().manual_seed(6)
+    prefix = torch.randint(0, 96, (254,), generator=gen)
+    state = prefilled(target, prefix)
+    assert target.branching_rows_limit(state) is None
+    # root 11 with children 22 and 33; 44 under 33: 33's key at 256, decoded alone at 255
+    toks = [11, 22, 33, 44]
+    with torch.inference_mode():
+        out = target.forward(state, torch.tensor(toks), tree_buffers((-1, -1, 1)), NEEDS)
+    for path, rows in (([11, 22], [0, 1]), ([11, 33, 44], [0, 2, 3])):
+        alone = run_alone(target, prefix, path)
+        for step, row in enumerate(rows):
+            assert_same_row(out, row, alone[step], (dtype, path, row))
 
 
 # -- the kernel choice --------------------------------------------------------------------------

@@ -73,6 +73,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="fast backend GEMM kernel, LIBRARY:MIN_ROWS (aten or onednn); auto: the fastest of those "
         "checked batch-invariant on this machine",
     )
+    g.add_argument(
+        "--no-fused",
+        dest="fused",
+        action="store_false",
+        help="fast backend: torch operations between the GEMMs instead of the fused CPU kernels",
+    )
 
 
 def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None) -> ModelConfig:
@@ -87,6 +93,7 @@ def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None)
         threads=args.threads,
         backend=backend or args.backend,
         kernel=args.kernel,
+        fused_kernels=args.fused,
     )
 
 
@@ -94,6 +101,7 @@ def worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str
     """The model options of this command, as ``specdraft serve worker`` arguments."""
     out = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend, "--kernel", args.kernel]
     out += ["--model", args.model] if args.model else []
+    out += [] if args.fused else ["--no-fused"]
     return out + (["--threads", str(threads)] if threads else [])
 
 

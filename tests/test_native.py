@@ -1,0 +1,235 @@
+"""The fused CPU kernels (llm_worker/model/native.py, csrc/fused.cpp) against plain torch
+references, and the row invariance they promise: a row's result alone equals it inside 2, 4, 9,
+17, 33 and 65 rows, at the first, middle and last place, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm_worker.model import native
+
+SIZES = (2, 4, 9, 17, 33, 65)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def fused() -> ModuleType:
+    module = native.load()
+    assert module is not None, (
+        f"the fused kernels must build on the test machines: {native.unavailable_reason()}"
+    )
+    return module
+
+
+def places(n: int) -> list[int]:
+    return sorted({0, n // 2, n - 1})
+
+
+def rms_reference(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm."""
+    x = h.float()
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 64, 13])  # a tail of 5 lanes in the last
+def test_add_rms_norm_matches_torch_and_is_row_invariant(
+    fused: ModuleType, dtype: torch.dtype, width: int
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    h = (3 * torch.randn(max(SIZES), width, generator=gen)).to(dtype)
+    delta = torch.randn(max(SIZES), width, generator=gen).to(dtype)
+    w = torch.randn(width, generator=gen).to(dtype)
+    total, normed = fused.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(total, h + delta)  # the add is exact: one rounding, as torch's
+    torch.testing.assert_close(
+        normed, rms_reference(h + delta, w, 1e-5), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5
+    )
+    same, normed_alone = fused.add_rms_norm(h, None, w, 1e-5)
+    assert same is h
+    torch.testing.assert_close(
+        normed_alone, rms_reference(h, w, 1e-5), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5
+    )
+    for n in SIZES:
+        _, out = fused.add_rms_norm(h[:n].clone(), delta[:n].clone(), w, 1e-5)
+        for i in places(n):
+            _, alone = fused.add_rms_norm(h[i : i + 1].clone(), delta[i : i + 1].clone(), w, 1e-5)
+            assert torch.equal(out[i], alone[0]), (n, i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 12])
+def test_silu_mul_matches_torch_and_is_row_invariant(
+    fused: ModuleType, dtype: torch.dtype, width: int
+) -> None:
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (4 * torch.randn(max(SIZES), 2 * width, generator=gen)).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
+    out = fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(
+        out, F.silu(gate) * up, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6
+    )
+    for n in SIZES:
+        out = fused.silu_mul(gate_up[:n].clone())
+        for i in places(n):
+            assert torch.equal(out[i], fused.silu_mul(gate_up[i : i + 1].clone())[0]), (n, i)
+
+
+HEADS, KV, D = 6, 2, 16
+
+
+def cache(slots: int, capacity: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(slots, KV, capacity, D, generator=gen)
+    values = torch.cat(
+        (torch.randn(slots, KV, capacity, D, generator=gen), torch.ones(slots, KV, capacity, 1)), -1
+    )
+    return keys, values
+
+
+def long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_rotates_and_writes_the_cache(fused: ModuleType, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    n = 5
+    qkv = torch.randn(n, (HEADS + 2 * KV) * D, generator=gen).to(dtype)
+    cos, sin = torch.randn(n, D, generator=gen), torch.randn(n, D, generator=gen)
+    keys, values = cache(3, 64, 3)
+    before_keys, before_values = keys.clone(), values.clone()
+    q = torch.empty(n, HEADS, D)
+    rows, slots, where = long([0, 1, 2, 3, 4]), long([2, 2, 0, 0, 0]), long([7, 8, 30, 31, 32])
+    fused.rope_store(qkv, cos, sin, q, keys, values, rows, slots, where)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # [n, h, D]
+        swapped = x.view(n, -1, 2, D // 2).flip(2).reshape(n, -1, D)
+        return x * cos[:, None] + swapped * sin[:, None]
+
+    x = qkv.float()
+    torch.testing.assert_close(q, rotate(x[:, : HEADS * D].view(n, HEADS, D)))
+    k = rotate(x[:, HEADS * D : (HEADS + KV) * D].view(n, KV, D))
+    v = x[:, (HEADS + KV) * D :].view(n, KV, D)
+    for r in range(n):
+        torch.testing.assert_close(keys[slots[r], :, where[r]], k[r])
+        assert torch.equal(values[slots[r], :, where[r], :D], v[r])
+        keys[slots[r], :, where[r]] = before_keys[slots[r], :, where[r]]
+        values[slots[r], :, where[r]] = before_values[slots[r], :, where[r]]
+    assert torch.equal(keys, before_keys) and torch.equal(values, before_values)  # nothing else written
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.rope_store(qkv, cos, sin, q, keys, values, rows, slots, long([7, 8, 30, 31, 64]))
+
+
+def attention_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, visible: torch.Tensor
+) -> torch.Tensor:
+    """q [n, H, D]; keys/values [KV, capacity, ...] of one slot; row i sees [0, start) and the new
+    rows visible[i] → [n, H · D] (float64 softmax attention)."""
+    n, width = visible.shape
+    mask = torch.zeros(n, start + width, dtype=torch.bool)
+    mask[:, :start] = True
+    mask[:, start:] = visible
+    k = keys[:, : start + width].double().repeat_interleave(HEADS // KV, 0)  # [H, T, D]
+    v = values[:, : start + width, :D].double().repeat_interleave(HEADS // KV, 0)
+    scores = torch.einsum("nhd,htd->nht", q.double(), k) / math.sqrt(D)
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.einsum("nht,htd->nhd", scores.softmax(-1), v).reshape(n, HEADS * D)
+
+
+def chain(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start", [0, 3, 250, 300])
+def test_attention_matches_softmax_and_is_row_invariant(
+    fused: ModuleType, dtype: torch.dtype, start: int
+) -> None:
+    keys, values = cache(2, 512, 4)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(max(SIZES), HEADS, D, generator=gen)
+    scale = 1 / math.sqrt(D)
+
+    def run(rows: list[int], qs: torch.Tensor, begin: int, visible: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(qs.shape[0], HEADS * D, dtype=dtype)
+        m = len(rows)
+        fused.attention(qs, keys, values, long(rows), long([1] * m), long([begin] * m), visible, scale, out)
+        return out
+
+    for n in SIZES:
+        out = run(list(range(n)), q[:n], start, chain(n))
+        expected = attention_reference(q[:n], keys[1], values[1], start, chain(n)).to(dtype)
+        torch.testing.assert_close(out, expected, rtol=1e-4 if dtype == torch.float32 else 1e-2, atol=1e-5)
+        for i in places(n):  # the row decoded alone: start + i keys committed, itself the new row
+            alone = run([0], q[i : i + 1].clone(), start + i, torch.ones(1, 1, dtype=torch.bool))
+            assert torch.equal(out[i], alone[0]), (n, i)
+
+
+def test_attention_skips_keys_a_row_does_not_see(fused: ModuleType) -> None:
+    """Tree rows: a node's siblings' keys between its ancestors' change nothing, and rows of other
+    slots in the same call change nothing."""
+    keys, values = cache(3, 64, 6)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(4, HEADS, D, generator=gen)
+    # root (row 0) → row 2 → row 3; row 1 a sibling of row 2. Keys of rows at 20 + row.
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    out = torch.empty(4, HEADS * D)
+    fused.attention(q, keys, values, long([0, 1, 2, 3]), long([0] * 4), long([20] * 4), tree, 0.25, out)
+    # row 3 as a chain: keys 0..19, then the root, row 2 and itself moved next to each other
+    moved_keys, moved_values = keys.clone(), values.clone()
+    for dest, src in ((21, 22), (22, 23)):
+        moved_keys[0, :, dest], moved_values[0, :, dest] = keys[0, :, src], values[0, :, src]
+    alone = torch.empty(1, HEADS * D)
+    fused.attention(
+        q[3:4].clone(),
+        moved_keys,
+        moved_values,
+        long([0]),
+        long([0]),
+        long([22]),
+        torch.ones(1, 1, dtype=torch.bool),
+        0.25,
+        alone,
+    )
+    assert torch.equal(out[3], alone[0])
+    # the same rows in slot 2, beside rows of slot 1 in one call
+    keys[2], values[2] = keys[0], values[0]
+    mixed = torch.empty(8, HEADS * D)
+    rows = long([0, 1, 2, 3, 4, 5, 6, 7])
+    visible = torch.cat((tree, chain(4)))
+    fused.attention(
+        torch.cat((q, q)),
+        keys,
+        values,
+        rows,
+        long([2] * 4 + [1] * 4),
+        long([20] * 4 + [9] * 4),
+        visible,
+        0.25,
+        mixed,
+    )
+    assert torch.equal(mixed[:4], out)
+
+
+def test_bad_arguments_are_errors_not_crashes(fused: ModuleType) -> None:
+    keys, values = cache(1, 32, 8)
+    q = torch.randn(2, HEADS, D)
+    out = torch.empty(2, HEADS * D)
+    with pytest.raises(RuntimeError, match="out of range"):  # the new rows would pass the capacity
+        fused.attention(q, keys, values, long([0, 1]), long([0, 0]), long([31, 31]), chain(2), 0.25, out)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.attention(q, keys, values, long([0, 1]), long([0, 1]), long([3, 3]), chain(2), 0.25, out)
+    with pytest.raises(RuntimeError):
+        fused.silu_mul(torch.randn(2, 3))
+
+
+def test_unavailable_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDRAFT_NATIVE", "0")
+    assert native.unavailable_reason() == "turned off by SPECDRAFT_NATIVE=0"
