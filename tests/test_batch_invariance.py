@@ -8,6 +8,7 @@ timing tables.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -260,6 +261,7 @@ def test_a_kernel_that_cannot_run_here_is_reported_and_never_chosen(monkeypatch:
 
     monkeypatch.setattr(kernels, "candidates", lambda d, t: [Kernel("aten", 1), Kernel("onednn", 4)])
     monkeypatch.setattr(kernels, "Linear", linear)
+    monkeypatch.setattr(kernels, "is_invariant", lambda lin, x, rows: True)
     weights = {role: [(torch.randn(16, 8), None)] for role in kernels.ROLES}
     report = kernels.measure_kernels(weights, torch.device("cpu"), torch.float32, repeats=1)
     assert set(report.chosen.values()) == {"aten:1"}
@@ -301,7 +303,7 @@ def test_measure_checks_invariance_and_times_only_invariant_candidates(monkeypat
     )
     fake = {"onednn:2": 0.01, "onednn:4": 0.02}
     monkeypatch.setattr(
-        kernels, "time_forward", lambda gemms, inputs, repeats: fake[gemms[0][1].name] * len(gemms)
+        kernels, "time_forward", lambda gemms, inputs, repeats: sum(fake[g[1].name] for g in gemms)
     )
     w, narrow = torch.zeros(8, 4), torch.zeros(4, 3)
     weights = {"qkv": [(w, None)] * 2, "o": [(w, None)] * 2, "gate_up": [(w, None)] * 2}
@@ -367,10 +369,77 @@ def test_machine_id_is_stable_and_short() -> None:
     assert len(machine_id("cpu")) == 10
 
 
+def test_blocks_are_tried_when_no_kernel_is_invariant_at_every_row_count(monkeypatch) -> None:
+    """As bfloat16 GEMMs of the real model's 576-input weights on a Sapphire Rapids VM: every
+    product of up to 32 rows agrees with a row alone, larger ones do not. Blocks of at most 32 rows
+    are then invariant, and checked at every size up to the block."""
+    monkeypatch.setattr(kernels, "candidates", lambda d, t: [Kernel("onednn", 1), Kernel("onednn", 4)])
+    checked: dict[str, list[int]] = {}
+
+    def invariant_up_to_32(lin: Linear, x: torch.Tensor, rows) -> bool:
+        checked[lin.kernel.name] = list(rows)
+        return lin.kernel.max_rows is not None and lin.kernel.max_rows <= 32
+
+    monkeypatch.setattr(kernels, "is_invariant", invariant_up_to_32)
+    monkeypatch.setattr(kernels, "time_forward", lambda gemms, inputs, repeats: 0.01 * len(gemms))
+    weights = {role: [(torch.zeros(8, 4), None)] * 2 for role in kernels.ROLES}
+    report = kernels.measure_kernels(weights, torch.device("cpu"), torch.float32, repeats=1)
+    assert set(report.invariant["qkv"]) == {
+        "onednn:1", "onednn:4", "onednn:1:64", "onednn:4:64", "onednn:1:32", "onednn:4:32",
+        "onednn:1:16", "onednn:4:16",
+    }  # fmt: skip
+    assert set(report.chosen.values()) == {"onednn:1:32"}  # ties go to the first: the larger block
+    assert set(range(1, 33)) <= set(checked["onednn:1:32"])
+    assert KernelReport.from_json(json.loads(json.dumps(report.to_json()))).chosen == report.chosen
+
+
+def test_the_choice_is_timed_in_the_forwards_order(monkeypatch) -> None:
+    """Alone, aten is the faster kernel for qkv and o, oneDNN for the others; inside a forward,
+    every switch between the libraries costs extra (as mixing MKL into a oneDNN forward did on a
+    Sapphire Rapids VM): the whole-forward timing keeps one library."""
+    monkeypatch.setattr(kernels, "candidates", lambda d, t: [Kernel("aten", 4), Kernel("onednn", 1)])
+    monkeypatch.setattr(kernels, "is_invariant", lambda lin, x, rows: True)
+
+    def alone(role: str, kernel: Kernel) -> float:
+        faster = "aten" if role in ("qkv", "o") else "onednn"
+        return 1.0 if kernel.library == faster else 1.1
+
+    def clock(gemms, inputs, repeats) -> float:
+        names = [g.kernel.library for g in gemms]
+        switches = sum(a != b for a, b in itertools.pairwise(names))
+        return sum(alone(g.role, g.kernel) for g in gemms) + 0.5 * switches
+
+    class Tagged(Linear):
+        role = ""
+
+    def tagged(w: torch.Tensor, b, k: Kernel) -> Tagged:
+        lin = Tagged(w, b, Kernel("aten", 1))
+        lin.kernel, lin.role = k, {8: "qkv", 6: "o", 16: "gate_up", 4: "down", 32: "lm_head"}[w.shape[0]]
+        return lin
+
+    monkeypatch.setattr(kernels, "Linear", tagged)
+    monkeypatch.setattr(kernels, "time_forward", clock)
+    shapes = {"qkv": (8, 4), "o": (6, 4), "gate_up": (16, 4), "down": (4, 8), "lm_head": (32, 4)}
+    weights = {
+        role: [(torch.zeros(*shape), None)] * (1 if role == "lm_head" else 2)
+        for role, shape in shapes.items()
+    }
+    report = kernels.measure_kernels(weights, torch.device("cpu"), torch.float32, repeats=1)
+    assert report.seconds["qkv"]["aten:4"][1] < report.seconds["qkv"]["onednn:1"][1]  # alone: aten
+    assert report.seconds["down"]["aten:4"][1] > report.seconds["down"]["onednn:1"][1]  # alone: oneDNN
+    assert set(report.chosen.values()) == {"onednn:1"}, report.chosen
+    first = kernels.assignment_name(
+        {r: ("aten:4" if r in ("qkv", "o") else "onednn:1") for r in kernels.ROLES}
+    )
+    assert first in report.forward_seconds  # the roles' own choices were timed first
+
+
 def test_kernel_names_parse_and_bad_ones_are_refused() -> None:
     assert Kernel.parse("onednn:4") == Kernel("onednn", 4)
     assert Kernel.parse("aten:1").name == "aten:1"
-    for bad in ("mkl:1", "onednn", "onednn:0", "aten:x"):
+    assert Kernel.parse("onednn:4:32") == Kernel("onednn", 4, 32)
+    assert Kernel.parse("onednn:4:32").name == "onednn:4:32"
+    for bad in ("mkl:1", "onednn", "onednn:0", "aten:x", "onednn:4:2", "onednn:1:2:3", "aten:1:0"):
         with pytest.raises(ValueError, match="unknown kernel"):
             Kernel.parse(bad)
 
@@ -381,6 +450,22 @@ def test_linear_pads_small_inputs_and_returns_only_their_rows() -> None:
     x = torch.randn(2, 3)
     assert lin(x).shape == (2, 5)
     assert torch.allclose(lin(x), x @ w.T, atol=1e-6)
+
+
+def test_a_blocked_linear_runs_large_products_in_blocks(monkeypatch) -> None:
+    w = torch.randn(5, 3)
+    lin = Linear(w, None, Kernel("aten", 4, 8))
+    rows: list[int] = []
+    real = F.linear
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", counted)
+    x = torch.randn(19, 3)
+    assert torch.allclose(lin(x), x @ w.T, atol=1e-6)
+    assert rows == [8, 8, 4]  # the last block of 3 rows padded to the minimum
 
 
 # -- the real model -----------------------------------------------------------------------------

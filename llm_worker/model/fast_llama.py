@@ -349,7 +349,7 @@ class FastLlamaTarget(TargetModel):
 
     @property
     def kernel_variant(self) -> str:
-        names = ",".join(f"{k.library}{k.min_rows}" for k in self.kernels.values())
+        names = ",".join(k.name.replace(":", "") for k in self.kernels.values())
         if self.fused:
             return f"-{names}-fused"
         return f"-{names}-c{self.chunk}-a{self.attention_rows}"

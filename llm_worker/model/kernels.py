@@ -9,12 +9,17 @@ the same row inside a 2-row product, oneDNN's prepacked kernel agrees from 2 row
 both agree everywhere).
 
 A *kernel* here is a library plus a minimum row count: forwards with fewer rows are padded with
-zero rows up to it, so that every row count runs the same code path. At start-up each candidate
-is checked bitwise on this machine (a row alone vs the same row inside products of every size the
-engine uses, at the first and the last position, with the model's own weight shapes) and timed;
-the fastest invariant one is used. The verdicts and times are cached per model, dtype, device,
-thread count, torch version and processor (``machine_id``), next to the cost curve, and reported
-by ``specdraft bench``.
+zero rows up to it, so that every row count runs the same code path; and, where no library is
+invariant over every row count, a maximum: larger products run in blocks of at most that many
+rows (``onednn:4:32``; on a Sapphire Rapids VM bfloat16 products of the real model's weights with
+576 inputs change path above 32 rows). At start-up each candidate is checked bitwise on this
+machine (a row alone vs the same row inside products of every size the engine uses, at the first
+and the last position, with the model's own weights), the invariant ones are timed per GEMM role,
+and then in the forward's own order (every layer's qkv, o, gate_up and down, then the LM head:
+a kernel's cost beside the others' is not its cost alone — on that VM mixing MKL into a oneDNN
+forward cost 2–3 ms a token more than its solo timing said); the fastest invariant assignment is
+used. The verdicts and times are cached per model, dtype, device, thread count, torch version and
+processor (``machine_id``), next to the cost curve, and reported by ``specdraft bench``.
 
 Each GEMM of the forward (qkv, o, gate_up, down, lm_head: its own weight shape) gets its own
 choice: invariance is a property of one weight's products, so different roles may use different
@@ -46,33 +51,42 @@ log = logging.getLogger(__name__)
 LIBRARIES = ("aten", "onednn")
 """aten: ``F.linear`` (MKL on CPU, cuBLAS on CUDA); onednn: weights prepacked for oneDNN (CPU)."""
 PAD_ROWS = (1, 2, 4, 8, 16)
+BLOCK_ROWS = (64, 32, 16)
+"""Largest blocks tried, largest first, for a role no unblocked candidate is invariant for."""
 CHECK_ROWS = (*range(1, 18), 24, 33, 48, 65, 128, 257, 1024)
 """Row counts a row alone is compared with: every draft size up to 16, larger trees and batches,
 and prefill chunks."""
 TIME_ROWS = (1, 2, 4, 8, 16, 32, 64)
+FORWARD_ROWS = (1, 4, 16, 64)
+"""Row counts at which whole assignments are timed in the forward's order."""
 DECODE_WEIGHT = 3.0
 """A single-row forward (every mode's decode, and all of ``ar``) counts this many times in the
 score; the other timed sizes once each."""
+FORWARD_CANDIDATES = 3
+"""Per role, the invariant candidates (the fastest alone first) tried in the forward's order."""
 
 
 @dataclass(frozen=True)
 class Kernel:
     library: str
     min_rows: int
+    max_rows: int | None = None  # None: any number of rows in one product
 
     @property
     def name(self) -> str:
-        return f"{self.library}:{self.min_rows}"
+        base = f"{self.library}:{self.min_rows}"
+        return base if self.max_rows is None else f"{base}:{self.max_rows}"
 
     @staticmethod
     def parse(text: str) -> Kernel:
-        """``"onednn:4"`` → Kernel("onednn", 4)."""
-        library, _, rows = text.partition(":")
-        if library not in LIBRARIES or not rows.isdigit() or int(rows) < 1:
+        """``"onednn:4"`` → Kernel("onednn", 4); ``"onednn:4:32"`` → Kernel("onednn", 4, 32)."""
+        library, *rows = text.split(":")
+        ok = library in LIBRARIES and len(rows) in (1, 2) and all(r.isdigit() and int(r) >= 1 for r in rows)
+        if not ok or (len(rows) == 2 and int(rows[1]) < int(rows[0])):
             raise ValueError(
-                f"unknown kernel {text!r}: expected LIBRARY:MIN_ROWS with LIBRARY in {LIBRARIES}"
+                f"unknown kernel {text!r}: expected LIBRARY:MIN_ROWS[:MAX_ROWS] with LIBRARY in {LIBRARIES}"
             )
-        return Kernel(library, int(rows))
+        return Kernel(library, int(rows[0]), int(rows[1]) if len(rows) == 2 else None)
 
 
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -90,6 +104,9 @@ class KernelReport:
         default_factory=dict
     )  # role -> kernel -> rows -> s
     unavailable: dict[str, list[str]] = field(default_factory=dict)  # role -> kernels that cannot run here
+    forward_seconds: dict[str, dict[int, float]] = field(
+        default_factory=dict
+    )  # assignment ("qkv=..,o=..") -> rows -> s of the GEMMs of one forward, in its order
     measured: bool = True
 
     def kernels(self) -> dict[str, Kernel]:
@@ -97,7 +114,7 @@ class KernelReport:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "format": 3,
+            "format": 4,
             "chosen": self.chosen,
             "invariant": self.invariant,
             "ms_per_forward": {
@@ -105,11 +122,15 @@ class KernelReport:
                 for role, by_kernel in self.seconds.items()
             },
             "unavailable": self.unavailable,
+            "ms_per_forward_in_order": {
+                name: {str(n): round(1000 * t, 3) for n, t in v.items()}
+                for name, v in self.forward_seconds.items()
+            },
         }
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> KernelReport:
-        if data.get("format") != 3 or set(data["chosen"]) != set(ROLES):
+        if data.get("format") != 4 or set(data["chosen"]) != set(ROLES):
             raise ValueError("another format")
         return KernelReport(
             chosen={str(r): str(k) for r, k in data["chosen"].items()},
@@ -119,6 +140,10 @@ class KernelReport:
                 for r, d in data["ms_per_forward"].items()
             },
             unavailable={str(r): [str(k) for k in v] for r, v in data.get("unavailable", {}).items()},
+            forward_seconds={
+                str(a): {int(n): float(ms) / 1000 for n, ms in v.items()}
+                for a, v in data.get("ms_per_forward_in_order", {}).items()
+            },
         )
 
 
@@ -150,8 +175,16 @@ def candidates(device: torch.device, dtype: torch.dtype) -> list[Kernel]:
     return [Kernel(lib, rows) for lib in libraries for rows in PAD_ROWS]
 
 
+def blocked(kernels: Sequence[Kernel]) -> list[Kernel]:
+    """The blocked variants of ``kernels`` (``BLOCK_ROWS``), largest blocks first."""
+    return [
+        Kernel(k.library, k.min_rows, block) for block in BLOCK_ROWS for k in kernels if k.min_rows <= block
+    ]
+
+
 class Linear:
-    """y = x W^T + b through one kernel for every row count: x [n, in] → [n, out]."""
+    """y = x W^T + b through one kernel for every row count: x [n, in] → [n, out]; fewer rows
+    than the kernel's minimum are padded with zero rows, more than its maximum run in blocks."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel) -> None:
         self.weight = weight  # [out, in]
@@ -162,6 +195,12 @@ class Linear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.kernel.max_rows
+        if block is not None and x.shape[0] > block:
+            return torch.cat([self._product(x[i : i + block]) for i in range(0, x.shape[0], block)])
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         pad = self.kernel.min_rows - n
         if pad > 0:
@@ -173,15 +212,21 @@ class Linear:
         return y[:n] if pad > 0 else y
 
 
+ALL_PLACES_UP_TO = 65
+"""Every row of a product up to this place is compared with the row alone (tiles of 16 rows made
+row 16 of a 32-row bfloat16 product differ on a Sapphire Rapids VM, its first and last agreeing)."""
+
+
 def is_invariant(
     linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: Sequence[int]
 ) -> bool:
-    """Whether row i of ``linear(x[:m])`` equals ``linear(x[i:i+1])`` bit for bit, for the first and
-    the last row of every m in ``rows`` (x: [max(rows), in])."""
+    """Whether row i of ``linear(x[:m])`` equals ``linear(x[i:i+1])`` bit for bit, for every m in
+    ``rows``, at every place i below ``ALL_PLACES_UP_TO`` and at the middle and last row
+    (x: [max(rows), in])."""
     alone: dict[int, torch.Tensor] = {}
     for m in rows:
         out = linear(x[:m])
-        for i in {0, m - 1}:
+        for i in sorted({*range(min(m, ALL_PLACES_UP_TO)), m // 2, m - 1}):
             if i not in alone:
                 alone[i] = linear(x[i : i + 1])[0]
             if not torch.equal(out[i], alone[i]):
@@ -204,15 +249,14 @@ def time_forward(
 
 
 def choose(invariant: Mapping[str, bool], seconds: Mapping[str, Mapping[int, float]]) -> str | None:
-    """The invariant kernel with the lowest score Σ_n w(n) t(n) (w(1) = ``DECODE_WEIGHT``, else 1);
-    None if no candidate is invariant. Ties go to the earlier name in ``invariant``."""
+    """The invariant kernel with the lowest ``score``; None if no candidate is invariant. Ties go
+    to the earlier name in ``invariant``."""
     best, best_score = None, float("inf")
     for name, ok in invariant.items():
         if not ok or name not in seconds:
             continue
-        score = sum((DECODE_WEIGHT if n == 1 else 1.0) * t for n, t in seconds[name].items())
-        if score < best_score:
-            best, best_score = name, score
+        if score(seconds[name]) < best_score:
+            best, best_score = name, score(seconds[name])
     return best
 
 
@@ -222,35 +266,46 @@ def measure_kernels(
     dtype: torch.dtype,
     repeats: int = 3,
 ) -> KernelReport:
-    """Check and time every candidate for each GEMM role. ``weights``: role -> its weight (and
-    bias) in every layer, as the forward multiplies them. Invariance is checked on the first
-    (the shapes are the same in every layer); the time is one pass over all of them, as in a
-    forward, so that each weight is read from memory as it would be. Inputs are random, scaled
-    like normalised activations."""
+    """Check and time every candidate for each GEMM role, then choose in the forward's order.
+    ``weights``: role -> its weight (and bias) in every layer, as the forward multiplies them.
+    Invariance is checked on the first (the shapes are the same in every layer); a role no
+    candidate is invariant for gets blocked candidates (``BLOCK_ROWS``). The time is one pass
+    over all of a role's layers, so that each weight is read from memory as it would be; the
+    choice then tries the best candidates of each role in whole forwards (``choose_in_order``).
+    Inputs are random, scaled like normalised activations."""
     gen = torch.Generator().manual_seed(0)
     report = KernelReport(chosen={})
+    inputs: dict[str, torch.Tensor] = {}
     for role in ROLES:
         layers = weights[role]
         weight = layers[0][0]
         x = torch.randn(max(CHECK_ROWS), weight.shape[1], generator=gen).to(device=device, dtype=dtype)
+        inputs[role] = x
         rows = CHECK_ROWS if role != "lm_head" else [m for m in CHECK_ROWS if m <= 128]
         invariant: dict[str, bool] = {}
         seconds: dict[str, dict[int, float]] = {}
         runnable: list[Kernel] = []
-        for kernel in candidates(device, dtype):
-            try:
-                invariant[kernel.name] = is_invariant(Linear(*layers[0], kernel), x, rows)
-            except RuntimeError as exc:  # e.g. oneDNN's bfloat16 path needs AVX-512 or AVX-NE-CONVERT
-                log.info("GEMM kernel %s cannot run here (%s %s): %s", kernel.name, role, dtype, exc)
-                report.unavailable.setdefault(role, []).append(kernel.name)
-                continue
-            runnable.append(kernel)
-            if invariant[kernel.name]:
-                linears = [Linear(w, b, kernel) for w, b in layers]
-                seconds[kernel.name] = {
-                    n: time_forward(linears, [x[:n]] * len(linears), repeats) for n in TIME_ROWS
-                }
-                del linears
+
+        for stage in ("unblocked", "blocked"):
+            if stage == "blocked":
+                if any(invariant.values()):
+                    break
+                log.info("no GEMM kernel is row-invariant for %s %s at every row count: blocks", role, dtype)
+            for kernel in candidates(device, dtype) if stage == "unblocked" else blocked(list(runnable)):
+                sizes = rows if kernel.max_rows is None else sorted({*rows, *range(1, kernel.max_rows + 1)})
+                try:
+                    invariant[kernel.name] = is_invariant(Linear(*layers[0], kernel), x, sizes)
+                except RuntimeError as exc:  # e.g. oneDNN's bfloat16 path needs AVX-512 or AVX-NE-CONVERT
+                    log.info("GEMM kernel %s cannot run here (%s %s): %s", kernel.name, role, dtype, exc)
+                    report.unavailable.setdefault(role, []).append(kernel.name)
+                    continue
+                runnable.append(kernel)
+                if invariant[kernel.name]:
+                    linears = [Linear(w, b, kernel) for w, b in layers]
+                    seconds[kernel.name] = {
+                        n: time_forward(linears, [x[:n]] * len(linears), repeats) for n in TIME_ROWS
+                    }
+                    del linears
         chosen = choose(invariant, seconds)
         if chosen is None:
             chosen = runnable[-1].name
@@ -266,7 +321,80 @@ def measure_kernels(
         report.chosen[role] = chosen
         report.invariant[role] = invariant
         report.seconds[role] = seconds
+    report.chosen = choose_in_order(weights, inputs, report, repeats)
     return report
+
+
+def score(seconds: Mapping[int, float]) -> float:
+    """Σ_n w(n) t(n): w(1) = ``DECODE_WEIGHT``, else 1."""
+    return sum((DECODE_WEIGHT if n == 1 else 1.0) * t for n, t in seconds.items())
+
+
+def assignment_name(assignment: Mapping[str, str]) -> str:
+    return ",".join(f"{role}={assignment[role]}" for role in ROLES)
+
+
+def choose_in_order(
+    weights: Weights, inputs: Mapping[str, torch.Tensor], report: KernelReport, repeats: int
+) -> dict[str, str]:
+    """Whole forwards' GEMMs timed in the forward's order at ``FORWARD_ROWS``: the roles' own
+    choices and, per library, every role on its best kernel of that library; from the fastest of
+    those, one pass over the roles: each role's most promising invariant candidates (the best of
+    each library and the ``FORWARD_CANDIDATES`` best alone) replace its kernel, and a replacement
+    that lowers the score is kept. Roles with no invariant candidate keep theirs. The timings
+    land in ``report.forward_seconds``."""
+    linears: dict[tuple[str, str], list[Linear]] = {}
+
+    def timed(assignment: dict[str, str]) -> float:
+        name = assignment_name(assignment)
+        if name not in report.forward_seconds:
+            order: list[Linear] = []
+            xs: list[torch.Tensor] = []
+            for role in ROLES:
+                key = (role, assignment[role])
+                if key not in linears:
+                    kernel = Kernel.parse(assignment[role])
+                    linears[key] = [Linear(w, b, kernel) for w, b in weights[role]]
+            for i in range(len(weights["qkv"])):
+                for role in ("qkv", "o", "gate_up", "down"):
+                    order.append(linears[(role, assignment[role])][i])
+                    xs.append(inputs[role])
+            order.append(linears[("lm_head", assignment["lm_head"])][0])
+            xs.append(inputs["lm_head"])
+            report.forward_seconds[name] = {
+                n: time_forward(order, [x[:n] for x in xs], repeats) for n in FORWARD_ROWS
+            }
+        return score(report.forward_seconds[name])
+
+    def ranked(role: str) -> list[str]:
+        alone = report.seconds.get(role, {})
+        return sorted(alone, key=lambda k: score(alone[k]))
+
+    starts = [dict(report.chosen)]
+    for library in LIBRARIES:
+        uniform = dict(report.chosen)
+        for role in ROLES:
+            uniform[role] = next((k for k in ranked(role) if k.startswith(library + ":")), uniform[role])
+        starts.append(uniform)
+    best, best_score = starts[0], timed(starts[0])
+    for start in starts[1:]:
+        if (start_score := timed(start)) < best_score:
+            best, best_score = start, start_score
+    for role in ROLES:
+        ranked_role = ranked(role)
+        tries = dict.fromkeys(ranked_role[:FORWARD_CANDIDATES])
+        for library in LIBRARIES:
+            tries.update(dict.fromkeys([k for k in ranked_role if k.startswith(library + ":")][:1]))
+        for kernel in tries:
+            if kernel == best[role]:
+                continue
+            trial = {**best, role: kernel}
+            trial_score = timed(trial)
+            if trial_score < best_score:
+                best, best_score = trial, trial_score
+        for key in [k for k in linears if k[0] == role and k[1] != best[role]]:
+            del linears[key]  # prepacked copies no later trial uses
+    return best
 
 
 def machine_id(device: str) -> str:
