@@ -693,20 +693,8 @@ class FastLlamaTarget(TargetModel):
         if pad:
             h = F.pad(h, (0, 0, 0, pad))  # [total + pad, hidden]
 
-        outs = [ForwardOutput(logits=torch.empty(0)) for _ in calls]
-        wanted_heads: list[dict[int, list[int]]] = []
-        for call in calls:
-            by_layer: dict[int, list[int]] = {}
-            for layer_index, head in call.needs.query_heads:
-                by_layer.setdefault(layer_index, []).append(head)
-            wanted_heads.append(by_layer)
-
-        def keep_hidden(layer_index: int, h: torch.Tensor) -> None:
-            for call, part, out in zip(calls, parts, outs, strict=True):
-                if layer_index in call.needs.hidden_layers:
-                    out.hidden[layer_index] = h[part.rows]
-
-        keep_hidden(0, h)
+        outs = _Outputs(calls, [p.rows for p in parts])
+        outs.keep_hidden(0, h)
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._rms(h, layer.ln_attn))[:total].to(self.attn_dtype)  # [total, (q + 2 kv) d]
@@ -727,10 +715,9 @@ class FastLlamaTarget(TargetModel):
                     grouped.dest,
                     grouped.n_max,
                 )
-            for part, out, by_layer in zip(parts, outs, wanted_heads, strict=True):
+            outs.keep_queries(index, q)
+            for part in parts:
                 rows = part.rows
-                for head in by_layer.get(index, ()):
-                    out.queries[(index, head)] = q[rows, head]
                 if part.bias is None:
                     continue  # grouped above
                 start, end = part.start, part.start + part.n
@@ -743,25 +730,10 @@ class FastLlamaTarget(TargetModel):
             gate, up = layer.gate_up(self._rms(h, layer.ln_mlp)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
             if index + 1 < len(self.layers):
-                keep_hidden(index + 1, h)
+                outs.keep_hidden(index + 1, h)
         h = self._rms(h[:total], self.norm)
-        keep_hidden(len(self.layers), h)  # the last layer's state after the final norm
-        # Logits for every row of a call, or for its last row only (a prefill chunk needs no more).
-        if len(calls) == 1:
-            chosen = h[-1:] if calls[0].last_logits_only else h
-        else:
-            wanted = [
-                torch.arange(p.row + p.n - 1 if c.last_logits_only else p.row, p.row + p.n)
-                for c, p in zip(calls, parts, strict=True)
-            ]
-            chosen = h[torch.cat(wanted).to(self.device)]
-        logits = self.lm_head(chosen).float()
-        row = 0
-        for call, part, out in zip(calls, parts, outs, strict=True):
-            count = 1 if call.last_logits_only else part.n
-            out.logits = logits[row : row + count]
-            row += count
-        return outs
+        outs.keep_hidden(len(self.layers), h)  # the last layer's state after the final norm
+        return outs.with_logits(self.lm_head, h)
 
     # -- the fused forward ------------------------------------------------------------------
 
@@ -835,20 +807,8 @@ class FastLlamaTarget(TargetModel):
         h = self.embed(tokens.to(self.device))  # [total, hidden]
         if pad:
             h = F.pad(h, (0, 0, 0, pad))
-        outs = [ForwardOutput(logits=torch.empty(0)) for _ in calls]
-        wanted_heads: list[dict[int, list[int]]] = []
-        for call in calls:
-            by_layer: dict[int, list[int]] = {}
-            for layer_index, head in call.needs.query_heads:
-                by_layer.setdefault(layer_index, []).append(head)
-            wanted_heads.append(by_layer)
-
-        def keep_hidden(layer_index: int, h: torch.Tensor) -> None:
-            for call, span, out in zip(calls, spans, outs, strict=True):
-                if layer_index in call.needs.hidden_layers:
-                    out.hidden[layer_index] = h[span]
-
-        keep_hidden(0, h)
+        outs = _Outputs(calls, spans)
+        outs.keep_hidden(0, h)
         scale = 1.0 / math.sqrt(head_dim)
         h, x = fused.add_rms_norm(h, None, self.layers[0].ln_attn, self.eps)
         for index, layer in enumerate(self.layers):
@@ -859,9 +819,7 @@ class FastLlamaTarget(TargetModel):
                 keys, values = self._layer_cache(g, index)
                 fused.rope_store(qkv, cos, sin, q, keys, values, g.rows, g.slots, g.cache)
                 fused.attention(q, keys, values, g.rows, g.slots, g.starts, g.visible, scale, attn)
-            for span, out, by_layer in zip(spans, outs, wanted_heads, strict=True):
-                for head in by_layer.get(index, ()):
-                    out.queries[(index, head)] = q[span, head]
+            outs.keep_queries(index, q)
             h, x = fused.add_rms_norm(h, layer.o(attn), layer.ln_mlp, self.eps)
             down = layer.down(fused.silu_mul(layer.gate_up(x)))
             last = index + 1 == len(self.layers)
@@ -869,30 +827,63 @@ class FastLlamaTarget(TargetModel):
                 h, down, self.norm if last else self.layers[index + 1].ln_attn, self.eps
             )
             if not last:
-                keep_hidden(index + 1, h)
+                outs.keep_hidden(index + 1, h)
         x = x[:total]
-        keep_hidden(len(self.layers), x)  # the last layer's state after the final norm
-        if len(calls) == 1:
-            chosen = x[-1:] if calls[0].last_logits_only else x
-        else:
-            wanted = [
-                torch.arange(s.stop - 1 if c.last_logits_only else s.start, s.stop)
-                for c, s in zip(calls, spans, strict=True)
-            ]
-            chosen = x[torch.cat(wanted)]
-        logits = self.lm_head(chosen).float()
-        row = 0
-        for call, span, out in zip(calls, spans, outs, strict=True):
-            count = 1 if call.last_logits_only else span.stop - span.start
-            out.logits = logits[row : row + count]
-            row += count
-        return outs
+        outs.keep_hidden(len(self.layers), x)  # the last layer's state after the final norm
+        return outs.with_logits(self.lm_head, x)
 
     def _layer_cache(self, group: _FusedGroup, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's buffers at ``layer``: keys [slots, kv, capacity, d], values [..., d + 1]."""
         if group.own is None:
             return self._pool.keys[layer], self._pool.values[layer]
         return group.own.keys[layer], group.own.values[layer]
+
+
+class _Outputs:
+    """The outputs of a forward over several calls (``spans``: each call's rows), filled in as the
+    layers run: hidden states and queries each call asked for, then logits."""
+
+    def __init__(self, calls: Sequence[ForwardCall], spans: Sequence[slice]) -> None:
+        self.calls, self.spans = calls, spans
+        self.outs = [ForwardOutput(logits=torch.empty(0)) for _ in calls]
+        self.heads: list[dict[int, list[int]]] = []  # per call: layer -> query heads wanted
+        for call in calls:
+            by_layer: dict[int, list[int]] = {}
+            for layer_index, head in call.needs.query_heads:
+                by_layer.setdefault(layer_index, []).append(head)
+            self.heads.append(by_layer)
+
+    def keep_hidden(self, layer: int, h: torch.Tensor) -> None:
+        """h [rows, hidden]: the state entering ``layer`` (after the final norm for the last)."""
+        for call, span, out in zip(self.calls, self.spans, self.outs, strict=True):
+            if layer in call.needs.hidden_layers:
+                out.hidden[layer] = h[span]
+
+    def keep_queries(self, layer: int, q: torch.Tensor) -> None:
+        """q [rows, heads, d]: ``layer``'s post-RoPE queries."""
+        for span, out, by_layer in zip(self.spans, self.outs, self.heads, strict=True):
+            for head in by_layer.get(layer, ()):
+                out.queries[(layer, head)] = q[span, head]
+
+    def with_logits(self, lm_head: Linear, h: torch.Tensor) -> list[ForwardOutput]:
+        """Logits of h [rows, hidden] (final-normed) for every row of a call, or its last row only
+        (a prefill chunk needs no more)."""
+        calls, spans = self.calls, self.spans
+        if len(calls) == 1:
+            chosen = h[-1:] if calls[0].last_logits_only else h
+        else:
+            wanted = [
+                torch.arange(s.stop - 1 if c.last_logits_only else s.start, s.stop)
+                for c, s in zip(calls, spans, strict=True)
+            ]
+            chosen = h[torch.cat(wanted).to(h.device)]
+        logits = lm_head(chosen).float()
+        row = 0
+        for call, span, out in zip(calls, spans, self.outs, strict=True):
+            count = 1 if call.last_logits_only else span.stop - span.start
+            out.logits = logits[row : row + count]
+            row += count
+        return self.outs
 
 
 @dataclass
