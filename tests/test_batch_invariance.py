@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.models import tiny_model
+from helpers.models import snap_to_blocks, tiny_model
 from llm_worker.config import ModelConfig
 from llm_worker.model import kernels, wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
@@ -37,7 +37,10 @@ FUSED = (True, False)
 
 
 def tiny_fast(dtype: torch.dtype, kernel: str = "auto", fused: bool = True) -> FastLlamaTarget:
-    model = tiny_model("llama", layers=2).to(dtype)
+    model = tiny_model("llama", layers=2)
+    if kernel.startswith("quant"):  # weights that are exact 4-/8-bit blocks, as the default model's
+        snap_to_blocks(model)
+    model = model.to(dtype)
     cfg = ModelConfig(backend="fast", kernel=kernel, dtype=str(dtype)[6:], fused_kernels=fused)
     target = wrap_model(model, None, cfg)
     assert isinstance(target, FastLlamaTarget)
@@ -142,10 +145,12 @@ def assert_same_row(batch, r: int, alone, label: object) -> None:
 
 @pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["auto", "onednn:4"])
+@pytest.mark.parametrize("kernel", ["auto", "onednn:4", "quant:1"])
 def test_forward_rows_equal_tokens_decoded_alone(dtype: torch.dtype, kernel: str, fused: bool) -> None:
-    if kernel != "auto" and not kernels.onednn_available(torch.device("cpu"), dtype):
+    if kernel.startswith("onednn") and not kernels.onednn_available(torch.device("cpu"), dtype):
         pytest.skip("oneDNN prepacking is not available here")
+    if kernel.startswith("quant") and dtype != torch.float32:
+        pytest.skip("the packed-block GEMM is float32 only")
     target = tiny_fast(dtype, kernel, fused)
     gen = torch.Generator().manual_seed(4)
     prefix = torch.randint(0, 96, (250,), generator=gen)  # drafts cross the 256-key chunk boundary
@@ -278,7 +283,7 @@ def test_choice_is_the_fastest_invariant_kernel_on_fake_timings() -> None:
         "aten:4": {1: 0.030, 8: 0.010},
     }
     assert kernels.choose(invariant, seconds) == "onednn:4"
-    # a single-row forward counts DECODE_WEIGHT times: a faster 8-row time cannot buy a slow decode
+    # single-row forwards weigh most (ROW_WEIGHTS): a faster 8-row time cannot buy a slow decode
     seconds["aten:4"] = {1: 0.0195, 8: 0.0225}
     assert kernels.choose(invariant, seconds) == "onednn:4"
     seconds["aten:4"] = {1: 0.017, 8: 0.020}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.models import tiny_model
+from helpers.models import snap_to_blocks, tiny_model
 from llm_worker.config import ModelConfig
 from llm_worker.model import wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
@@ -102,9 +102,13 @@ def test_non_llama_models_fall_back_to_transformers_backend() -> None:
         wrap_model(tiny_model("gpt2"), None, ModelConfig(backend="fast"))
 
 
-@pytest.mark.parametrize("kernel", ["aten:1", "aten:4", "onednn:2", "onednn:16", "auto"])
+@pytest.mark.parametrize(
+    "kernel", ["aten:1", "aten:4", "onednn:2", "onednn:16", "onednn:2:4", "quant:1", "auto"]
+)
 def test_every_kernel_matches_transformers(kernel: str) -> None:
     model = tiny_model("llama")
+    if kernel.startswith("quant"):  # weights that are exact 4-/8-bit blocks, as the default model's
+        snap_to_blocks(model)
     target = wrap_model(model, None, ModelConfig(backend="fast", kernel=kernel))
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = reference_logits(model, ids)

@@ -354,19 +354,24 @@ class FastLlamaTarget(TargetModel):
             return f"-{names}-fused"
         return f"-{names}-c{self.chunk}-a{self.attention_rows}"
 
-    def weight_bytes(self) -> int:
-        """Every layer's weights, the final norm and the LM head."""
-        total = self.lm_head.weight.numel() * self.lm_head.weight.element_size()
+    def weight_bytes(self, read: bool = False) -> int:
+        """Every layer's weights, the final norm and the LM head, at the dtype's width; ``read``:
+        as one forward reads them (packed blocks where a GEMM reads those, ``kernels.Linear``)."""
+
+        def size(lin: Linear) -> int:
+            return lin.nbytes() if read else lin.weight.numel() * lin.weight.element_size()
+
+        total = size(self.lm_head) + self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
             for t in (layer.ln_attn, layer.ln_mlp):
                 total += t.numel() * t.element_size()
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                total += lin.weight.numel() * lin.weight.element_size()
-        return total + self.norm.numel() * self.norm.element_size()
+            total += sum(size(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return total
 
     def kernel_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
             "gemm_kernels": {role: k.name for role, k in self.kernels.items()},
+            "weight_bytes_read": self.weight_bytes(read=True),
             "fused_kernels": self.fused is not None,
             "attention_chunk": None if self.fused else self.chunk,
             "attention_min_rows": self.attention_rows,

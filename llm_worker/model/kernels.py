@@ -44,12 +44,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llm_worker.model import native, quant
 from specdraft.common import atomic_write_text, cache_root, file_lock
 
 log = logging.getLogger(__name__)
 
-LIBRARIES = ("aten", "onednn")
-"""aten: ``F.linear`` (MKL on CPU, cuBLAS on CUDA); onednn: weights prepacked for oneDNN (CPU)."""
+LIBRARIES = ("aten", "onednn", "quant")
+"""aten: ``F.linear`` (MKL on CPU, cuBLAS on CUDA); onednn: weights prepacked for oneDNN (CPU);
+quant: float32 weights that are exactly 4- or 8-bit blocks (the default model's GGUF Q4_1 / Q8_0),
+read packed and rebuilt exactly by the fused kernels (``quant``, ``native``; CPU, float32)."""
 PAD_ROWS = (1, 2, 4, 8, 16)
 BLOCK_ROWS = (64, 32, 16)
 """Largest blocks tried, largest first, for a role no unblocked candidate is invariant for."""
@@ -59,9 +62,11 @@ and prefill chunks."""
 TIME_ROWS = (1, 2, 4, 8, 16, 32, 64)
 FORWARD_ROWS = (1, 4, 16, 64)
 """Row counts at which whole assignments are timed in the forward's order."""
-DECODE_WEIGHT = 3.0
-"""A single-row forward (every mode's decode, and all of ``ar``) counts this many times in the
-score; the other timed sizes once each."""
+ROW_WEIGHTS = {1: 64.0, 2: 16.0, 4: 16.0, 8: 16.0, 16: 16.0, 32: 4.0, 64: 8.0}
+"""How often a forward of each timed size comes in the score (``score``), after one 128-token
+answer to a 512-token prompt: 64 single-row forwards (``ar``'s all, and a speculative mode's
+steps without a draft), 64 verifying drafts of 2 to 32 rows, and the prompt's prefill (two
+256-row chunks, about eight times a 64-row forward). A workload's shape, not a machine's speed."""
 FORWARD_CANDIDATES = 3
 """Per role, the invariant candidates (the fastest alone first) tried in the forward's order."""
 
@@ -170,9 +175,16 @@ def _onednn_runs(dtype: torch.dtype) -> bool:
     return True
 
 
+def quant_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the packed-block GEMM runs here (a weight may still not be exactly blocks)."""
+    return device.type == "cpu" and dtype == torch.float32 and native.load() is not None
+
+
 def candidates(device: torch.device, dtype: torch.dtype) -> list[Kernel]:
     libraries = ["aten"] + (["onednn"] if onednn_available(device, dtype) else [])
-    return [Kernel(lib, rows) for lib in libraries for rows in PAD_ROWS]
+    padded = [Kernel(lib, rows) for lib in libraries for rows in PAD_ROWS]
+    # invariant at every row count by construction: no padding, no blocks
+    return padded + ([Kernel("quant", 1)] if quant_available(device, dtype) else [])
 
 
 def blocked(kernels: Sequence[Kernel]) -> list[Kernel]:
@@ -193,6 +205,19 @@ class Linear:
         self.packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight, None) if kernel.library == "onednn" else None
         )
+        self.blocks: quant.PackedWeight | None = None
+        self.fused: Any = None
+        if kernel.library == "quant":
+            self.fused = native.load()
+            self.blocks = quant.pack_exact(weight) if self.fused is not None else None
+            if self.blocks is None:
+                raise RuntimeError("quant: the weight is not exact 4- or 8-bit blocks (or no fused kernels)")
+
+    def nbytes(self) -> int:
+        """Bytes of weights one product reads."""
+        if self.blocks is not None:
+            return self.blocks.nbytes()
+        return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         block = self.kernel.max_rows
@@ -201,6 +226,9 @@ class Linear:
         return self._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            b = self.blocks
+            return self.fused.quant_linear(x.contiguous(), b.codes, b.scales, b.offsets, self.bias, b.n)
         n = x.shape[0]
         pad = self.kernel.min_rows - n
         if pad > 0:
@@ -326,8 +354,8 @@ def measure_kernels(
 
 
 def score(seconds: Mapping[int, float]) -> float:
-    """Σ_n w(n) t(n): w(1) = ``DECODE_WEIGHT``, else 1."""
-    return sum((DECODE_WEIGHT if n == 1 else 1.0) * t for n, t in seconds.items())
+    """Σ_n w(n) t(n), w from ``ROW_WEIGHTS`` (seconds: rows -> seconds of a forward's GEMMs)."""
+    return sum(ROW_WEIGHTS.get(n, 1.0) * t for n, t in seconds.items())
 
 
 def assignment_name(assignment: Mapping[str, str]) -> str:

@@ -83,6 +83,31 @@ def tiny_model(kind: str = "llama", vocab: int = 96, seed: int = 0, layers: int 
     return model.eval().requires_grad_(False)
 
 
+def exact_blocks(w: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """``w`` [n, k] (k a multiple of 32) moved to the nearest weights that are exact blocks of 32:
+    ``d * q + m`` with q in 0..15 (bits=4, GGUF's Q4_1) or ``d * q`` with q in -128..127 (bits=8,
+    Q8_0), d and m float16 — as the default model's GGUF weights de-quantise."""
+    blocks = w.float().reshape(w.shape[0], -1, 32)
+    if bits == 4:
+        m = blocks.amin(-1, keepdim=True).half().float()
+        d = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
+        q = ((blocks - m) / torch.where(d > 0, d, 1)).round().clamp(0, 15)
+        return (d * q + m).reshape(w.shape)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = (blocks / torch.where(d > 0, d, 1)).round().clamp(-128, 127) + 0.0  # no -0.0: an int8 has none
+    return (d * q).reshape(w.shape)
+
+
+def snap_to_blocks(model: Any) -> Any:
+    """Every linear weight of ``model`` made exact 4-bit blocks and its LM head 8-bit blocks (the
+    default model's GGUF layout), so that the ``quant`` GEMM kernel can run it."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(exact_blocks(module.weight, 8 if name == "lm_head" else 4))
+    return model
+
+
 def tiny_target(kind: str = "llama", backend: str = "auto", **kw: Any) -> TargetModel:
     return wrap_model(tiny_model(kind, **kw), None, ModelConfig(backend=backend))  # type: ignore[arg-type]
 
