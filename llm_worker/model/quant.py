@@ -16,6 +16,7 @@ rebuilt as fma(0.25, q, 0.5) = the same numbers bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,41 @@ def _as_half(x: torch.Tensor) -> torch.Tensor:
     return x.half().float()
 
 
+def _neighbours(d: torch.Tensor) -> list[torch.Tensor]:
+    """d (float16 values as float32) and its float16 neighbours above and below."""
+    half = d.half()
+    up = torch.nextafter(half, torch.tensor(float("inf"), dtype=torch.half)).float()
+    down = torch.nextafter(half, torch.tensor(0.0, dtype=torch.half)).float()
+    return [d, up, down]
+
+
+def _search(
+    blocks: torch.Tensor,
+    d0: torch.Tensor,
+    rebuild: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For every block [n, kb, 32], the first scale among ``_neighbours(d0)`` whose codes
+    ``rebuild(d)`` → (q [n, kb, 32] float, rebuilt weights) give the block back bit for bit:
+    (q, d), or None if some block has none."""
+    best_q = torch.zeros(blocks.shape)
+    best_d = d0.clone()
+    done = torch.zeros(d0.shape, dtype=torch.bool)
+    for d in _neighbours(d0):
+        q, rebuilt = rebuild(d)
+        ok = _same_bits(rebuilt, blocks).all(-1) & ~done
+        best_q[ok], best_d[ok] = q[ok], d[ok]
+        done |= ok
+        if bool(done.all()):
+            return best_q, best_d
+    return None
+
+
+def _codes(x: torch.Tensor, d: torch.Tensor, low: int, high: int, dtype: torch.dtype) -> torch.Tensor:
+    """round(x / d) within [low, high] as ``dtype`` values (0 where d is 0), back as float32."""
+    q = (x / torch.where(d > 0, d, torch.ones_like(d))[..., None]).round().clamp(low, high)
+    return torch.where((d > 0)[..., None], q, torch.zeros_like(q)).to(dtype).float()  # -0.0 → 0
+
+
 def _four_bit(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """blocks [n, kb, 32] → (q uint8 [n, kb, 32], d, m [n, kb]) with fma(d, q, m) == blocks bit
     for bit, or None. The block's least value is m (its q is 0); d is tried at the float16
@@ -59,47 +95,25 @@ def _four_bit(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     m = blocks.amin(-1)
     if not torch.equal(_as_half(m), m):
         return None
-    span = (blocks.amax(-1) - m) / 15
-    d0 = _as_half(span)
-    best_q = torch.zeros(blocks.shape, dtype=torch.uint8)
-    best_d = d0.clone()
-    done = torch.zeros(m.shape, dtype=torch.bool)
-    up = torch.nextafter(d0.half(), torch.tensor(float("inf"), dtype=torch.half)).float()
-    down = torch.nextafter(d0.half(), torch.tensor(0.0, dtype=torch.half)).float()
-    for d in (d0, up, down):
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = ((blocks - m[..., None]) / safe[..., None]).round().clamp(0, 15)
-        q = torch.where((d > 0)[..., None], q, torch.zeros_like(q)).to(torch.uint8).float()
-        rebuilt = d[..., None] * q + m[..., None]  # d * q is exact: one rounding, as fma
-        ok = _same_bits(rebuilt, blocks).all(-1) & ~done
-        best_q[ok] = q[ok].to(torch.uint8)
-        best_d[ok] = d[ok]
-        done |= ok
-        if bool(done.all()):
-            return best_q, best_d, m
-    return None
+
+    def rebuild(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = _codes(blocks - m[..., None], d, 0, 15, torch.uint8)
+        return q, d[..., None] * q + m[..., None]  # d * q is exact: one rounding, as fma
+
+    found = _search(blocks, _as_half((blocks.amax(-1) - m) / 15), rebuild)
+    return None if found is None else (found[0].to(torch.uint8), found[1], m)
 
 
 def _eight_bit(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """blocks [n, kb, 32] → (q int8 [n, kb, 32], d [n, kb]) with d * q == blocks bit for bit, or
     None (d at the float16 nearest max |w| / 127 or its neighbours)."""
-    d0 = _as_half(blocks.abs().amax(-1) / 127)
-    best_q = torch.zeros(blocks.shape, dtype=torch.int8)
-    best_d = d0.clone()
-    done = torch.zeros(d0.shape, dtype=torch.bool)
-    up = torch.nextafter(d0.half(), torch.tensor(float("inf"), dtype=torch.half)).float()
-    down = torch.nextafter(d0.half(), torch.tensor(0.0, dtype=torch.half)).float()
-    for d in (d0, up, down):
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = (blocks / safe[..., None]).round().clamp(-128, 127)
-        q = torch.where((d > 0)[..., None], q, torch.zeros_like(q)).to(torch.int8).float()  # -0.0 → 0
-        ok = _same_bits(d[..., None] * q, blocks).all(-1) & ~done
-        best_q[ok] = q[ok].to(torch.int8)
-        best_d[ok] = d[ok]
-        done |= ok
-        if bool(done.all()):
-            return best_q, best_d
-    return None
+
+    def rebuild(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = _codes(blocks, d, -128, 127, torch.int8)
+        return q, d[..., None] * q
+
+    found = _search(blocks, _as_half(blocks.abs().amax(-1) / 127), rebuild)
+    return None if found is None else (found[0].to(torch.int8), found[1])
 
 
 def _panels(x: torch.Tensor, panels: int) -> torch.Tensor:
