@@ -143,6 +143,8 @@ def test_bench_json_table_and_plot(
         }
         assert info["bandwidth_limit_tokens_per_second"] > 0
         assert info["ar_fraction_of_bandwidth_limit"] > 0
+        assert 0 < info["weight_bytes_read"] <= info["weight_bytes"]
+        assert info["read_bandwidth_limit_tokens_per_second"] >= info["bandwidth_limit_tokens_per_second"]
         for role, kernel in info["gemm_kernels"].items():
             assert info["gemm_kernel_candidates"]["invariant"][role][kernel]
     assert (

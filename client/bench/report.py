@@ -67,7 +67,8 @@ def render_table(report: dict[str, Any], console: Console) -> None:
         console.print(
             f"{dtype}: GEMM kernels {d.get('gemm_kernels', '–')}, "
             f"weights {d.get('weight_bytes', 0) / 1e6:.0f} MB "
-            f"(read per forward {d.get('weight_bytes_read', d.get('weight_bytes', 0)) / 1e6:.0f} MB), "
+            f"(read per forward {d.get('weight_bytes_read', d.get('weight_bytes', 0)) / 1e6:.0f} MB: "
+            f"limit {_fmt(d.get('read_bandwidth_limit_tokens_per_second'), 1)} tok/s), "
             f"bandwidth limit {_fmt(d.get('bandwidth_limit_tokens_per_second'), 1)} tok/s; ar "
             f"{_fmt(d.get('ar_tokens_per_second'), 1)} tok/s = "
             f"{_fmt(d.get('ar_fraction_of_bandwidth_limit'))} of it "

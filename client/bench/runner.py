@@ -168,7 +168,10 @@ def dtype_info(engine: Engine, bandwidth: float) -> dict[str, Any]:
     if nbytes:
         out["weight_bytes"] = nbytes
         out["bandwidth_limit_tokens_per_second"] = round(bandwidth / nbytes, 2)
-    return out | target.kernel_info()
+    kernels = target.kernel_info()
+    if kernels.get("weight_bytes_read"):  # packed weights: the limit of the bytes a forward reads
+        out["read_bandwidth_limit_tokens_per_second"] = round(bandwidth / kernels["weight_bytes_read"], 2)
+    return out | kernels
 
 
 def machine_info(engine: Engine) -> dict[str, Any]:
