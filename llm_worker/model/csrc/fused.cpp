@@ -423,16 +423,22 @@ struct Codes4 {
     w0 = _mm256_fmadd_ps(_mm256_loadu_ps(s), _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), _mm256_loadu_ps(o));
     w1 = _mm256_fmadd_ps(_mm256_loadu_ps(s + 8), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_loadu_ps(o + 8));
   }
-  // The same 16 weights in one 16-lane vector (lanes 0..7 the low nibbles, 8..15 the high ones).
-  SPECDRAFT_AVX512 inline __m512 at16(int64_t p, int64_t kb_count, int64_t k) const {
-    const int64_t K = kb_count * kBlock;
+  // A block's scales and offsets for the 16 columns of panel p (block kb), in registers.
+  struct Block16 {
+    __m512 s, o;
+  };
+  SPECDRAFT_AVX512 inline Block16 block16(int64_t p, int64_t kb_count, int64_t kb) const {
+    const int64_t at = (p * kb_count + kb) * kPanel;
+    return {_mm512_loadu_ps(scales + at), _mm512_loadu_ps(offsets + at)};
+  }
+  // The same 16 weights as ``at`` in one 16-lane vector (lanes 0..7 the low nibbles, 8..15 the
+  // high ones), input k of panel p (K inputs) in block b.
+  SPECDRAFT_AVX512 inline __m512 at16(const Block16& b, int64_t p, int64_t K, int64_t k) const {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (p * K + k) * 8));
     __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes));
     v = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0)),
         _mm512_set1_epi32(15));
-    const float* s = scales + (p * kb_count + k / kBlock) * kPanel;
-    const float* o = offsets + (p * kb_count + k / kBlock) * kPanel;
-    return _mm512_fmadd_ps(_mm512_loadu_ps(s), _mm512_cvtepi32_ps(v), _mm512_loadu_ps(o));
+    return _mm512_fmadd_ps(b.s, _mm512_cvtepi32_ps(v), b.o);
   }
 };
 
@@ -446,11 +452,15 @@ struct Codes8 {
     w0 = _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)))));
     w1 = _mm256_mul_ps(_mm256_loadu_ps(s + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8)))));
   }
-  SPECDRAFT_AVX512 inline __m512 at16(int64_t p, int64_t kb_count, int64_t k) const {
-    const int64_t K = kb_count * kBlock;
+  struct Block16 {
+    __m512 s;
+  };
+  SPECDRAFT_AVX512 inline Block16 block16(int64_t p, int64_t kb_count, int64_t kb) const {
+    return {_mm512_loadu_ps(scales + (p * kb_count + kb) * kPanel)};
+  }
+  SPECDRAFT_AVX512 inline __m512 at16(const Block16& b, int64_t p, int64_t K, int64_t k) const {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (p * K + k) * kPanel));
-    const float* s = scales + (p * kb_count + k / kBlock) * kPanel;
-    return _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    return _mm512_mul_ps(b.s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
   }
 };
 
@@ -524,10 +534,14 @@ template <class Codes, int R, int G>
 SPECDRAFT_AVX512 inline void rows_panels16(const Codes& c, const float* x, int64_t ldx, int64_t p0, int64_t kb_count, __m512* acc) {
   for (int i = 0; i < R * G; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t K = kb_count * kBlock;
-  for (int64_t k = 0; k < K; ++k) {
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = c.at16(p0 + g, kb_count, k);
-      for (int r = 0; r < R; ++r) acc[r * G + g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r * G + g]);
+  for (int64_t kb = 0; kb < kb_count; ++kb) {
+    typename Codes::Block16 blocks[G];
+    for (int g = 0; g < G; ++g) blocks[g] = c.block16(p0 + g, kb_count, kb);
+    for (int64_t k = kb * kBlock; k < (kb + 1) * kBlock; ++k) {
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = c.at16(blocks[g], p0 + g, K, k);
+        for (int r = 0; r < R; ++r) acc[r * G + g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r * G + g]);
+      }
     }
   }
 }
@@ -592,7 +606,11 @@ SPECDRAFT_AVX512 void quant_task16(const Codes& c, const float* x, int64_t M, in
   thread_local std::vector<float> buffer;
   buffer.resize(K * kPanel);
   for (int64_t p = p0; p < p1; ++p) {
-    for (int64_t k = 0; k < K; ++k) _mm512_storeu_ps(buffer.data() + k * kPanel, c.at16(p, kb_count, k));
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      const auto block = c.block16(p, kb_count, kb);
+      for (int64_t k = kb * kBlock; k < (kb + 1) * kBlock; ++k)
+        _mm512_storeu_ps(buffer.data() + k * kPanel, c.at16(block, p, K, k));
+    }
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t m = 0; m < M; m += 12) {
       const float* xm = x + m * K;
