@@ -24,6 +24,7 @@ import torch
 from llm_worker.batching import BatchingConfig, BatchScheduler, BatchSession
 from llm_worker.config import EngineConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
+from llm_worker.logits import argmax, top_probability
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import ALONE, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.results import GenerationResult, Provenance
@@ -43,11 +44,6 @@ def _in_vocabulary(draft: Draft, vocab_size: int) -> bool:
     data, and one out of range would fail the forward (a device-side assert on CUDA)."""
     rows = (draft.tokens,) if isinstance(draft, DraftTree) else draft.rows
     return all(0 <= t < vocab_size for row in rows for t in row)
-
-
-def _top_probability(logits: torch.Tensor) -> float:
-    """The target's top-1 probability for one row of logits: [vocab] (an acceptance feature)."""
-    return float(torch.softmax(logits.float(), dim=-1).max())
 
 
 class InvalidRequestError(ValueError):
@@ -334,11 +330,11 @@ class Engine:
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
         logits = self._prefill(target, state, artifacts, prompt, needs)
         first = (
-            int(logits.argmax())
+            argmax(logits)
             if sampling.greedy
             else noise.choose(warp_logits(logits[None], sampling)[0], len(req.prompt_ids))
         )
-        confidence = _top_probability(logits)
+        confidence = top_probability(logits)
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
         request_state = RequestState()
@@ -378,7 +374,7 @@ class Engine:
             t1 = time.perf_counter()
             step = verification_for(draft).step(target, state, out.root, draft, needs, decide, out.length)
             artifacts.record(step.forward, step.rows)
-            step_confidence, confidence = confidence, _top_probability(step.forward.logits[step.rows[-1]])
+            step_confidence, confidence = confidence, top_probability(step.forward.logits[step.rows[-1]])
             t2 = time.perf_counter()
 
             emitted = out.emit(step.tokens, step.sources, drafter.name)

@@ -233,3 +233,50 @@ def test_bad_arguments_are_errors_not_crashes(fused: ModuleType) -> None:
 def test_unavailable_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDRAFT_NATIVE", "0")
     assert native.unavailable_reason() == "turned off by SPECDRAFT_NATIVE=0"
+
+
+def test_kernels_called_from_many_threads_at_once_give_the_same_rows(fused: ModuleType) -> None:
+    """The kernels' own thread pool serves one call at a time; a call from another thread meanwhile
+    runs its rows itself: the same numbers either way, on the pool or on torch's threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(9)
+    gate_up = torch.randn(257, 2 * 1536, generator=gen)
+    expected = fused.silu_mul(gate_up)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: fused.silu_mul(gate_up), range(16)))
+    assert all(torch.equal(r, expected) for r in results)
+    fused.use_pool(False)  # this thread: torch's OpenMP threads
+    try:
+        assert torch.equal(fused.silu_mul(gate_up), expected)
+    finally:
+        fused.use_pool(True)
+
+
+def test_a_forked_child_makes_its_own_pool(fused: ModuleType) -> None:
+    """fork() copies no worker threads: the child's first call must not wait for them. (The child
+    runs only the kernel: torch's own OpenMP operations are not fork-safe once the parent used
+    them.)"""
+    import os
+    import time
+
+    gate_up = torch.randn(257, 2 * 1536, generator=torch.Generator().manual_seed(10))
+    expected = fused.silu_mul(gate_up).numpy().tobytes()  # the parent's pool exists now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            os.write(write, b"ok" if fused.silu_mul(gate_up).numpy().tobytes() == expected else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):  # still running
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    answer = os.read(read, 2)
+    os.close(read)
+    assert answer == b"ok", "the forked child's kernel call hung or differed"

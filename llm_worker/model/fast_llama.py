@@ -326,6 +326,10 @@ class FastLlamaTarget(TargetModel):
         self.kernels = dict(gemm_kernels or dict.fromkeys(ROLES, Kernel("aten", 1)))  # role -> kernel
         self.min_rows = min(k.min_rows for k in self.kernels.values())  # the forward pads to this
         self.kernel_report = report
+        self.own_threads = all(k.library == "quant" for k in self.kernels.values())
+        """Whether the fused kernels share rows on their own pool (every GEMM is a packed one of
+        theirs) or on torch's OpenMP threads (GEMMs on oneDNN/MKL, whose OpenMP workers would spin
+        against the pool's)."""
         try:
             self.lm_head = Linear(*weights["lm_head"][0], self.kernels["lm_head"])
             self.layers = [
@@ -802,6 +806,7 @@ class FastLlamaTarget(TargetModel):
         per layer residual add + RMSNorm, RoPE + the cache write, attention, SiLU·up."""
         fused = self.fused
         assert fused is not None
+        fused.use_pool(self.own_threads)  # for this thread's kernels
         info = self.info
         heads, head_dim = info.num_heads, info.head_dim
         groups, spans, positions = self._fused_groups(calls)

@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "fused.cpp"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 """-ffp-contract=off: only the FMAs the source writes are fused (the compiler must not contract
-others differently in a loop's body and its tail); -fopenmp: at::parallel_for splits rows between
-torch's threads (the process's one OpenMP runtime, the one torch loaded)."""
+others differently in a loop's body and its tail); -fopenmp: beside their own thread pool, the
+kernels can share rows on torch's OpenMP threads (``use_pool``), the process's one OpenMP
+runtime, the one torch loaded."""
 
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -104,6 +105,9 @@ def load() -> ModuleType | None:
             reason = f"the build failed: {text.splitlines()[-1] if text else type(exc).__name__}"
     if reason is not None:
         log.warning("fused CPU kernels unavailable (%s): the fast forward uses torch operations", reason)
+    else:
+        assert module is not None
+        module.configure(torch.get_num_threads())  # torch's intra-op threads, as set at load
     _loaded[name] = module
     return module
 

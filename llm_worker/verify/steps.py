@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from llm_worker.config import SamplingParams
+from llm_worker.logits import argmax_rows
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import ALONE, BatchLoad, DraftBudget, DraftPlanner
 from llm_worker.sampling import SamplingNoise, warp_logits
@@ -40,7 +41,7 @@ def decider(sampling: SamplingParams, noise: SamplingNoise) -> Decide:
     """Greedy: exact match with the argmax. Sampling: exact match with the position-coupled sample
     of the warped p (each row warped alone, as plain sampling warps it)."""
     if sampling.greedy:
-        return lambda logits, tree, position: verify_greedy(logits.argmax(dim=-1).tolist(), tree)
+        return lambda logits, tree, position: verify_greedy(argmax_rows(logits), tree)
     return lambda logits, tree, position: verify_sampling(
         lambda row: warp_logits(logits[row : row + 1], sampling)[0], tree, noise, position
     )

@@ -1,0 +1,33 @@
+"""Per-step reductions over the vocabulary: greedy argmax and the top-1 probability.
+
+On the CPU they run in numpy, on one thread. torch splits a reduction over 49 k logits between
+its OpenMP threads, whose workers then spin for a while after it; the fused kernels' own pool
+(``llm_worker/model/csrc/fused.cpp``) wants those cores for the next forward, and each decode
+step lost about a third of its speed to that contention on a 2-core machine. The results are
+torch's: the first index of the largest value, and 1 / Σ exp(l − max).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """[n, vocab] → each row's argmax (the first index of its largest value)."""
+    if logits.device.type != "cpu":
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+    return [int(t) for t in logits.detach().float().numpy().argmax(axis=-1)]
+
+
+def argmax(logits: torch.Tensor) -> int:
+    """[vocab] → the argmax."""
+    return argmax_rows(logits.reshape(1, -1))[0]
+
+
+def top_probability(logits: torch.Tensor) -> float:
+    """[vocab] → the softmax's largest probability, 1 / Σ exp(l − max) (an acceptance feature)."""
+    if logits.device.type != "cpu":
+        return float(torch.softmax(logits.float(), dim=-1).max())
+    row = logits.detach().float().numpy().astype(np.float64)
+    return float(1.0 / np.exp(row - row.max()).sum())
