@@ -280,3 +280,18 @@ def test_a_forked_child_makes_its_own_pool(fused: ModuleType) -> None:
     answer = os.read(read, 2)
     os.close(read)
     assert answer == b"ok", "the forked child's kernel call hung or differed"
+
+
+def test_the_avx2_kernels_pass_these_tests_too(fused: ModuleType) -> None:
+    """Where the processor has AVX-512, the kernels use it; the AVX2 versions (what an AVX2-only
+    processor runs) are checked here in a process kept on them."""
+    import os
+    import subprocess
+    import sys
+
+    if not fused.wide():
+        pytest.skip("no AVX-512 here: the tests above ran the AVX2 kernels")
+    env = os.environ | {"SPECDRAFT_NATIVE_AVX512": "0"}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]

@@ -37,6 +37,14 @@ namespace {
 
 using BF16 = at::BFloat16;
 
+// Functions compiled for AVX-512 as well as the AVX2 baseline, used where the processor has it
+// (``has_avx512``). The packed GEMM's are bit-identical to their AVX2 versions (the same FMA
+// chains, 16 lanes at a time); the attention's sum a score's 16-lane partial sums in another
+// order than its 8-lane ones — either way the same on every row and call of one machine.
+#define SPECDRAFT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+bool has_avx512();
+
 // ---- 8-lane loads and stores -------------------------------------------------------------
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -455,6 +463,126 @@ inline __m256 dot8(const float* q, const float* const* k, int64_t d) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// One query row and head: its query, its KV head's keys and values, and the scale.
+struct Job {
+  const float* q;  // [d]
+  const float* keys;  // [capacity, d] of its KV head
+  const float* values;  // [capacity, dv]
+  int64_t d, dv;
+  float scale;
+};
+
+// out = softmax(q . k * scale) · v over the keys at ``pos`` (in that order), 8 lanes at a time.
+template <typename T>
+void attend8(const Job& job, const std::vector<int64_t>& pos, T* o) {
+  const int64_t count = static_cast<int64_t>(pos.size()), d = job.d;
+  if (count == 0) {  // no visible key (never in a forward: a row sees itself)
+    for (int64_t i = 0; i < d; i += 8) store8(o + i, _mm256_setzero_ps());
+    return;
+  }
+  thread_local std::vector<float> w;
+  w.resize((count + 7) / 8 * 8 + 16);
+  const __m256 vscale = _mm256_set1_ps(job.scale);
+  for (int64_t b = 0; b < count; b += 8) {
+    const float* kptr[8];
+    for (int t = 0; t < 8; ++t) kptr[t] = job.keys + pos[std::min(b + t, count - 1)] * d;
+    _mm256_storeu_ps(w.data() + b, _mm256_mul_ps(dot8(job.q, kptr, d), vscale));
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < count; ++p) top = std::max(top, w[p]);
+  const __m256 vtop = _mm256_set1_ps(top);
+  for (int64_t b = 0; b < count; b += 8)
+    _mm256_storeu_ps(w.data() + b, exp8(_mm256_sub_ps(_mm256_loadu_ps(w.data() + b), vtop)));
+  __m256 acc[32];
+  const int64_t blocks = d / 8;
+  for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_setzero_ps();
+  float denom = 0.0f;
+  for (int64_t p = 0; p < count; ++p) {
+    const float wp = w[p];
+    denom += wp;
+    const __m256 vw = _mm256_set1_ps(wp);
+    const float* v = job.values + pos[p] * job.dv;
+    for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + 8 * i), acc[i]);
+  }
+  const __m256 vden = _mm256_set1_ps(denom);
+  for (int64_t i = 0; i < blocks; ++i) store8(o + 8 * i, _mm256_div_ps(acc[i], vden));
+}
+
+// exp8's arithmetic, 16 lanes at a time.
+SPECDRAFT_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+
+// dot8 with 16-lane partial sums over d (d a multiple of 16), folded to 8 lanes, then the same tree.
+SPECDRAFT_AVX512 inline __m256 dot8_wide(const float* q, const float* const* k, int64_t d) {
+  __m512 a[8];
+  for (int t = 0; t < 8; ++t) a[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    for (int t = 0; t < 8; ++t) a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[t] + i), a[t]);
+  }
+  __m256 f[8];
+  for (int t = 0; t < 8; ++t) f[t] = _mm256_add_ps(_mm512_castps512_ps256(a[t]), _mm512_extractf32x8_ps(a[t], 1));
+  __m256 t0 = _mm256_hadd_ps(f[0], f[1]), t1 = _mm256_hadd_ps(f[2], f[3]);
+  __m256 t2 = _mm256_hadd_ps(f[4], f[5]), t3 = _mm256_hadd_ps(f[6], f[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// attend8 with 16-lane dot products, exponentials and value sums (d a multiple of 16).
+template <typename T>
+SPECDRAFT_AVX512 void attend16(const Job& job, const std::vector<int64_t>& pos, T* o) {
+  const int64_t count = static_cast<int64_t>(pos.size()), d = job.d;
+  if (count == 0) {
+    for (int64_t i = 0; i < d; i += 8) store8(o + i, _mm256_setzero_ps());
+    return;
+  }
+  thread_local std::vector<float> w;
+  w.resize((count + 15) / 16 * 16 + 16);
+  const __m256 vscale = _mm256_set1_ps(job.scale);
+  for (int64_t b = 0; b < count; b += 8) {
+    const float* kptr[8];
+    for (int t = 0; t < 8; ++t) kptr[t] = job.keys + pos[std::min(b + t, count - 1)] * d;
+    _mm256_storeu_ps(w.data() + b, _mm256_mul_ps(dot8_wide(job.q, kptr, d), vscale));
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < count; ++p) top = std::max(top, w[p]);
+  const __m512 vtop = _mm512_set1_ps(top);
+  for (int64_t b = 0; b < count; b += 16)
+    _mm512_storeu_ps(w.data() + b, exp16(_mm512_sub_ps(_mm512_loadu_ps(w.data() + b), vtop)));
+  __m512 acc[16];
+  const int64_t blocks = d / 16;
+  for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm512_setzero_ps();
+  float denom = 0.0f;
+  for (int64_t p = 0; p < count; ++p) {
+    const float wp = w[p];
+    denom += wp;
+    const __m512 vw = _mm512_set1_ps(wp);
+    const float* v = job.values + pos[p] * job.dv;
+    for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(v + 16 * i), acc[i]);
+  }
+  const __m512 vden = _mm512_set1_ps(denom);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const __m512 r = _mm512_div_ps(acc[i], vden);
+    store8(o + 16 * i, _mm512_castps512_ps256(r));
+    store8(o + 16 * i + 8, _mm512_extractf32x8_ps(r, 1));
+  }
+}
+
 // Softmax attention of query rows over their visible cached keys. Row j (q row rows[j]) sees the
 // committed prefix [0, start[j]) of cache slot slot[j] and, among its call's new rows (cache
 // positions start[j] + i), those with visible[j][i]. Per query head: scores = q . k * scale over
@@ -482,52 +610,24 @@ void attention(
   const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   const bool* vis = visible.data_ptr<bool>();
   const float fscale = static_cast<float>(scale);
+  const bool wide = has_avx512() && d % 16 == 0;
   auto run = [&](auto* dst) {
     using T = std::remove_pointer_t<decltype(dst)>;
     for_rows(m * heads, 4 * longest * d, [&](int64_t job) {
       const int64_t j = job / heads, h = job % heads;
       const int64_t base = (sl[j] * kv + h / group) * capacity;  // the KV head's first position
-      const float* kbase = kp + base * d;
-      const float* vbase = vp + base * dv;
-      // The visible positions in cache order.
-      std::vector<int64_t> pos;
-      pos.reserve(st[j] + width);
+      thread_local std::vector<int64_t> pos;  // the visible positions in cache order
+      pos.clear();
       for (int64_t p = 0; p < st[j]; ++p) pos.push_back(p);
       for (int64_t i = 0; i < width; ++i)
         if (vis[j * width + i]) pos.push_back(st[j] + i);
-      const int64_t count = static_cast<int64_t>(pos.size());
+      const Job job_of_row{qp + (row[j] * heads + h) * d, kp + base * d, vp + base * dv, d, dv, fscale};
       T* o = dst + row[j] * heads * d + h * d;
-      if (count == 0) {  // no visible key (never in a forward: a row sees itself)
-        for (int64_t i = 0; i < d; i += 8) store8(o + i, _mm256_setzero_ps());
-        return;
+      if (wide) {
+        attend16(job_of_row, pos, o);
+      } else {
+        attend8(job_of_row, pos, o);
       }
-      std::vector<float> w((count + 7) / 8 * 8 + 8);
-      const float* qrow = qp + (row[j] * heads + h) * d;
-      const __m256 vscale = _mm256_set1_ps(fscale);
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t b = 0; b < count; b += 8) {
-        const float* kptr[8];
-        for (int t = 0; t < 8; ++t) kptr[t] = kbase + pos[std::min(b + t, count - 1)] * d;
-        __m256 sc = _mm256_mul_ps(dot8(qrow, kptr, d), vscale);
-        _mm256_storeu_ps(w.data() + b, sc);
-      }
-      for (int64_t p = 0; p < count; ++p) top = std::max(top, w[p]);
-      const __m256 vtop = _mm256_set1_ps(top);
-      for (int64_t b = 0; b < count; b += 8)
-        _mm256_storeu_ps(w.data() + b, exp8(_mm256_sub_ps(_mm256_loadu_ps(w.data() + b), vtop)));
-      __m256 acc[32];
-      const int64_t blocks = d / 8;
-      for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_setzero_ps();
-      float denom = 0.0f;
-      for (int64_t p = 0; p < count; ++p) {
-        const float wp = w[p];
-        denom += wp;
-        const __m256 vw = _mm256_set1_ps(wp);
-        const float* v = vbase + pos[p] * dv;
-        for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + 8 * i), acc[i]);
-      }
-      const __m256 vden = _mm256_set1_ps(denom);
-      for (int64_t i = 0; i < blocks; ++i) store8(o + 8 * i, _mm256_div_ps(acc[i], vden));
     });
   };
   with_data(out, "out", run);
@@ -550,9 +650,6 @@ void attention(
 constexpr int64_t kPanel = 16;
 constexpr int64_t kBlock = 32;
 
-// Functions compiled for AVX-512 as well, used where the processor has it (``quant_gemm``): the
-// same chains of the same FMAs, 16 lanes at a time, so the results equal the AVX2 ones bit for bit.
-#define SPECDRAFT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 struct Codes4 {
   const uint8_t* codes;
@@ -690,15 +787,6 @@ SPECDRAFT_AVX512 inline void rows_panels16(const Codes& c, const float* x, int64
   }
 }
 
-template <int R>
-SPECDRAFT_AVX512 inline void rows_panel16(const float* x, int64_t ldx, const float* w, int64_t K, __m512* acc) {
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 wk = _mm512_loadu_ps(w + k * kPanel);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wk, acc[r]);
-  }
-}
-
 template <class Codes, int R>
 SPECDRAFT_AVX512 inline void few_rows16(const Codes& c, const float* x, int64_t K, int64_t p0, int64_t p1,
     int64_t N, const float* bias, float* y) {
@@ -718,12 +806,44 @@ SPECDRAFT_AVX512 inline void few_rows16(const Codes& c, const float* x, int64_t 
     }
 }
 
-template <int R>
-SPECDRAFT_AVX512 inline void many_rows16(const float* x, int64_t K, const float* w, int64_t N, int64_t p,
+// R rows x G panels from de-quantised weights w [K, G, 16] (the task's panels side by side):
+// per input, G weight vectors and R broadcasts feed R * G FMAs (24 at R = 6, G = 4), enough to
+// keep the FMA units busy where one panel at a time left them waiting on loads.
+template <int R, int G>
+SPECDRAFT_AVX512 inline void rows_buffered16(const float* x, int64_t K, const float* w, int64_t N, int64_t p0,
     const float* bias, float* y) {
-  __m512 acc[R];
-  rows_panel16<R>(x, K, w, K, acc);
-  for (int r = 0; r < R; ++r) store_panel16(acc[r], y + r * N + p * kPanel, std::min(kPanel, N - p * kPanel), bias);
+  __m512 acc[R * G];
+  for (int i = 0; i < R * G; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wk[G];
+    for (int g = 0; g < G; ++g) wk[g] = _mm512_loadu_ps(w + (k * G + g) * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      for (int g = 0; g < G; ++g) acc[r * G + g] = _mm512_fmadd_ps(xb, wk[g], acc[r * G + g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      const int64_t p = p0 + g;
+      store_panel16(acc[r * G + g], y + r * N + p * kPanel, std::min(kPanel, N - p * kPanel), bias ? bias + p * kPanel : nullptr);
+    }
+}
+
+template <int G>
+SPECDRAFT_AVX512 inline void many_rows16(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
+    int64_t p0, const float* bias, float* y) {
+  for (int64_t m = 0; m < M; m += 6) {
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    switch (std::min<int64_t>(6, M - m)) {
+      case 6: rows_buffered16<6, G>(xm, K, w, N, p0, bias, ym); break;
+      case 5: rows_buffered16<5, G>(xm, K, w, N, p0, bias, ym); break;
+      case 4: rows_buffered16<4, G>(xm, K, w, N, p0, bias, ym); break;
+      case 3: rows_buffered16<3, G>(xm, K, w, N, p0, bias, ym); break;
+      case 2: rows_buffered16<2, G>(xm, K, w, N, p0, bias, ym); break;
+      default: rows_buffered16<1, G>(xm, K, w, N, p0, bias, ym);
+    }
+  }
 }
 
 // One task of quant_gemm (panels p0 .. p1 - 1, every row), 16 lanes at a time.
@@ -746,34 +866,21 @@ SPECDRAFT_AVX512 void quant_task16(const Codes& c, const float* x, int64_t M, in
     }
     return;
   }
-  const int64_t kb_count = K / kBlock;
+  // many rows: the task's panels de-quantised once into a buffer [K, G, 16], then rows six at a time
+  const int64_t kb_count = K / kBlock, G = p1 - p0;
   thread_local std::vector<float> buffer;
-  buffer.resize(K * kPanel);
-  for (int64_t p = p0; p < p1; ++p) {
+  buffer.resize(K * kPanel * G);
+  for (int64_t g = 0; g < G; ++g)
     for (int64_t kb = 0; kb < kb_count; ++kb) {
-      const auto block = c.block16(p, kb_count, kb);
+      const auto block = c.block16(p0 + g, kb_count, kb);
       for (int64_t k = kb * kBlock; k < (kb + 1) * kBlock; ++k)
-        _mm512_storeu_ps(buffer.data() + k * kPanel, c.at16(block, p, K, k));
+        _mm512_storeu_ps(buffer.data() + (k * G + g) * kPanel, c.at16(block, p0 + g, K, k));
     }
-    const float* b = bias ? bias + p * kPanel : nullptr;
-    for (int64_t m = 0; m < M; m += 12) {
-      const float* xm = x + m * K;
-      float* ym = y + m * N;
-      switch (std::min<int64_t>(12, M - m)) {
-        case 12: many_rows16<12>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 11: many_rows16<11>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 10: many_rows16<10>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 9: many_rows16<9>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 8: many_rows16<8>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 7: many_rows16<7>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 6: many_rows16<6>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 5: many_rows16<5>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 4: many_rows16<4>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 3: many_rows16<3>(xm, K, buffer.data(), N, p, b, ym); break;
-        case 2: many_rows16<2>(xm, K, buffer.data(), N, p, b, ym); break;
-        default: many_rows16<1>(xm, K, buffer.data(), N, p, b, ym);
-      }
-    }
+  switch (G) {
+    case 4: many_rows16<4>(x, M, K, buffer.data(), N, p0, bias, y); break;
+    case 3: many_rows16<3>(x, M, K, buffer.data(), N, p0, bias, y); break;
+    case 2: many_rows16<2>(x, M, K, buffer.data(), N, p0, bias, y); break;
+    default: many_rows16<1>(x, M, K, buffer.data(), N, p0, bias, y);
   }
 }
 
