@@ -354,8 +354,8 @@ class FastLlamaTarget(TargetModel):
     @property
     def kernel_variant(self) -> str:
         names = ",".join(k.name.replace(":", "") for k in self.kernels.values())
-        if self.fused:
-            return f"-{names}-fused"
+        if self.fused:  # the build's digest: changed kernels are measured again
+            return f"-{names}-{native.build_name().removeprefix('specdraft_fused_')[:8]}"
         return f"-{names}-c{self.chunk}-a{self.attention_rows}"
 
     def weight_bytes(self, read: bool = False) -> int:
