@@ -463,8 +463,8 @@ def measured_chooser(fingerprint: str, device: torch.device, dtype: torch.dtype)
 def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
     key = (
         f"{fingerprint}-{dtype}-{device}-t{torch.get_num_threads()}-torch{torch.__version__}"
-        f"-cpu{machine_id(device)}"
-    )
+        f"-cpu{machine_id(device)}-{native.build_name().removeprefix('specdraft_fused_')[:8]}"
+    )  # the fused kernels' build: a changed packed GEMM is timed again
     return cache_root() / "kernels" / (key.replace("/", "_").replace(":", "_") + ".json")
 
 

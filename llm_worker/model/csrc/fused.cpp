@@ -6,9 +6,12 @@
 // by size), elementwise work pads its tail to a full vector and runs the same vector code on it.
 // So a token's numbers do not depend on what else is in its forward (batch invariance).
 //
-// AVX2 + FMA, 8 float lanes; built with -ffp-contract=off so that only the FMAs written here are
-// fused. Tensors in float32 or bfloat16 (converted to float32 on load, rounded to nearest even on
-// store, as torch does); the KV cache, RoPE tables and attention run in float32.
+// AVX2 + FMA, 8 float lanes, with AVX-512 versions of the attention and the packed GEMM where the
+// processor has it; built with -ffp-contract=off so that only the FMAs written here are fused.
+// Tensors in float32 or bfloat16 (converted to float32 on load, rounded to nearest even on store,
+// as torch does); the KV cache, RoPE tables and attention run in float32. Sections: vector
+// helpers, the thread pool, residual add + RMSNorm, SiLU·up, RoPE + the cache write, attention,
+// the GEMM over exactly quantised weights.
 
 #include <torch/extension.h>
 
@@ -28,8 +31,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <string>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
