@@ -90,6 +90,7 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
     from llm_worker.drafters.glide_net import glide_config_for
     from llm_worker.training.data import Completer, DataConfig, make_conversations, make_prompts
     from llm_worker.training.features import FeatureConfig, draft_vocabulary, load_sequences, make_features
+    from llm_worker.training.generate import TargetCompleter
     from llm_worker.training.trainer import GlideTrainer, TrainConfig
     from specdraft.common import cache_root
 
@@ -136,7 +137,11 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
     writer = target
     if args.data_dtype != args.dtype:
         writer, _ = load_model(model_config(argparse.Namespace(**{**vars(args), "dtype": args.data_dtype})))
-    completer = Completer(writer.model, tokenizer, info.eos_token_ids, data_cfg.batch_size)
+    completer: Completer | TargetCompleter
+    if writer.info.backend == "fast":  # many sequences in flight through its batched forward
+        completer = TargetCompleter(writer, info.eos_token_ids, data_cfg.batch_size)
+    else:
+        completer = Completer(writer.model, tokenizer, info.eos_token_ids, data_cfg.batch_size)
     exclude = {name.split(".")[0] for names in SUITE_SOURCES.values() for name in names}
     t0 = time.perf_counter()
     with _bar(args.instructions + args.local_tasks, "prompts", args.quiet) as bar:

@@ -14,9 +14,10 @@ Each prompt lands in the ``train`` or the ``heldout`` split by a hash of its tex
 does not depend on the order or the number of prompts made; training never reads ``heldout``.
 
 Answers are the target's own (greedy for half the conversations, sampled for the other half), made
-in batches with transformers' ``generate`` (left padding). Both files are JSON lines written
-record by record (flushed, fsynced), and a second run skips the ids already written: the pipeline
-resumes after an interruption.
+in batches by a ``Completes``: the target's own batched forward (``generate.TargetCompleter``, the
+fast backend) or transformers' ``generate`` (left padding). Both files are JSON lines written
+record by record (flushed, fsynced), and a second run skips the ids already written: the
+pipeline resumes after an interruption.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -135,6 +136,17 @@ class JsonlWriter:
 # -- generation -------------------------------------------------------------------------------------
 
 
+class Completes(Protocol):
+    """What writes prompts and answers: ``Completer`` (transformers ``generate``) or
+    ``llm_worker.training.generate.TargetCompleter`` (the target's own batched forward)."""
+
+    batch_size: int
+
+    def complete(
+        self, prefixes: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, seed: int
+    ) -> list[tuple[list[int], bool]]: ...
+
+
 class Completer:
     """Batched completions of token prefixes by the target (transformers ``generate``)."""
 
@@ -194,7 +206,7 @@ def user_turn_prefix(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
 
 
 def self_instructions(
-    completer: Completer, tokenizer: Any, cfg: DataConfig, count: int, seen: set[str]
+    completer: Completes, tokenizer: Any, cfg: DataConfig, count: int, seen: set[str]
 ) -> Iterator[str]:
     """Up to ``count`` new instructions written by the target, each passing ``keep_instruction``
     and not a duplicate of ``seen`` (which grows). Stops after as many rounds as it takes, at most
@@ -344,7 +356,7 @@ def local_tasks(
 
 
 def make_prompts(
-    completer: Completer,
+    completer: Completes,
     tokenizer: Any,
     cfg: DataConfig,
     out: Path,
@@ -390,7 +402,7 @@ def make_prompts(
 
 
 def make_conversations(
-    completer: Completer,
+    completer: Completes,
     tokenizer: Any,
     cfg: DataConfig,
     prompts: Path,
@@ -440,7 +452,7 @@ def make_conversations(
 
 
 def _answer(
-    completer: Completer, tokenizer: Any, cfg: DataConfig, convs: list[Conversation], seed: int
+    completer: Completes, tokenizer: Any, cfg: DataConfig, convs: list[Conversation], seed: int
 ) -> None:
     """Append the target's answer to each conversation (greedy ones, then sampled ones)."""
     for sampled in (False, True):

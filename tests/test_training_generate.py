@@ -1,0 +1,46 @@
+"""The training data's answers written through the target's own batched forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llm_worker.training.generate import TargetCompleter, sample_top_p
+from tests.helpers.models import engine_for, greedy_tokens, prompts, tiny_target
+
+
+def test_greedy_completions_are_ar_whatever_the_batch() -> None:
+    target = tiny_target(backend="fast")
+    engine = engine_for(target)
+    batch = [*prompts(target.info.vocab_size), [5, 9, 11]]
+    eos = list(target.info.eos_token_ids)
+    alone = TargetCompleter(target, eos, batch_size=1).complete(batch, 24, 0.0, seed=1)
+    together = TargetCompleter(target, eos, batch_size=4, prefill_chunk=7).complete(batch, 24, 0.0, seed=1)
+    assert together == alone
+    assert any(ended for _, ended in alone) and not all(ended for _, ended in alone)
+    for prompt, (ids, ended) in zip(batch, alone, strict=True):
+        reference = greedy_tokens(engine, prompt, "ar", 24)
+        if ended:  # cut at the end token, which the completion leaves out
+            assert reference == [*ids, *eos]
+        else:
+            assert ids == reference and len(ids) == 24
+
+
+def test_sampled_completions_depend_on_the_seed_only() -> None:
+    target = tiny_target(backend="fast")
+    batch = prompts(target.info.vocab_size)
+    one = TargetCompleter(target, [], batch_size=1).complete(batch, 16, 0.8, seed=5)
+    many = TargetCompleter(target, [], batch_size=6).complete(batch, 16, 0.8, seed=5)
+    other = TargetCompleter(target, [], batch_size=6).complete(batch, 16, 0.8, seed=6)
+    assert one == many
+    assert one != other
+    assert all(len(ids) == 16 and not ended for ids, ended in one)
+
+
+def test_top_p_keeps_the_smallest_nucleus() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    drawn = {sample_top_p(logits, 1.0, 0.75, rng) for _ in range(400)}
+    assert drawn == {0, 1}  # 0.5 + 0.3 reaches 0.75: tokens 2 and 3 are cut
+    drawn = {sample_top_p(logits, 1.0, 0.85, rng) for _ in range(400)}
+    assert drawn == {0, 1, 2}
