@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from llm_worker.model.target import ForwardCall, ForwardOutput, SequenceState, TargetModel
+from llm_worker.model.target import ForwardCall, ForwardOutput, KVBuffers, SequenceState, TargetModel
 from llm_worker.planner import ALONE, BatchLoad
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
@@ -282,6 +282,9 @@ class BatchSession(TargetModel):
 
     def kv(self, state: SequenceState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.kv(state, layer)
+
+    def kv_buffers(self, state: SequenceState, layer: int) -> KVBuffers | None:
+        return self.inner.kv_buffers(state, layer)
 
     @property
     def supports_queries(self) -> bool:

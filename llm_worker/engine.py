@@ -354,6 +354,7 @@ class Engine:
                     attention=artifacts.attention if needs.query_heads else None,
                     request_state=request_state,
                     kv=(lambda layer: target.kv(state, layer)) if needs.kv_layers else None,
+                    kv_buffers=(lambda layer: target.kv_buffers(state, layer)) if needs.kv_layers else None,
                     sampling=sampling,
                     noise=noise,
                 )

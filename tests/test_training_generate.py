@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from helpers.models import engine_for, greedy_tokens, prompts, tiny_target
 from llm_worker.training.generate import TargetCompleter, sample_top_p
-from tests.helpers.models import engine_for, greedy_tokens, prompts, tiny_target
 
 
 def test_greedy_completions_are_ar_whatever_the_batch() -> None:

@@ -27,7 +27,7 @@ from llm_worker.sampling import SamplingNoise
 from llm_worker.types import ArtifactNeeds, Draft, DraftTree, VerifyResult
 
 if TYPE_CHECKING:
-    from llm_worker.model.target import TargetModel
+    from llm_worker.model.target import KVBuffers, TargetModel
 
 
 class UnknownModeError(ValueError):
@@ -60,6 +60,7 @@ class DraftContext:
         kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
         sampling: SamplingParams | None = None,
         noise: SamplingNoise | None = None,
+        kv_buffers: Callable[[int], KVBuffers | None] | None = None,
     ) -> None:
         self.tokens = tokens  # [T] int64
         self.budget = budget
@@ -69,6 +70,7 @@ class DraftContext:
         self._hidden = hidden
         self._attention = attention
         self._kv = kv
+        self._kv_buffers = kv_buffers
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's cached keys (after RoPE) and values of ``layer`` at positions 0 .. T-2,
@@ -76,6 +78,11 @@ class DraftContext:
         if self._kv is None:
             raise RuntimeError("this drafter did not ask for the KV cache")
         return self._kv(layer)
+
+    def kv_buffers(self, layer: int) -> KVBuffers | None:
+        """``layer``'s whole cache buffers and the request's slot (committed positions 0 .. T-2),
+        for kernels that read the cache in place; None where the backend has none."""
+        return self._kv_buffers(layer) if self._kv_buffers is not None else None
 
     def hidden(self, layer: int) -> torch.Tensor:
         """[T-1, hidden_size]: layer ``layer``'s hidden state at positions 0 .. T-2."""

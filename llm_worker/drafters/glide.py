@@ -41,6 +41,7 @@ from llm_worker.drafters.base import (
     int_option,
 )
 from llm_worker.drafters.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+from llm_worker.drafters.glide_fused import DraftKV, FusedGlide
 from llm_worker.drafters.glide_net import GlideConfig, GlideNet, cross_allowed, rope_tables
 from llm_worker.model.target import TargetModel
 from llm_worker.sampling import warp_logits
@@ -78,6 +79,7 @@ class _State:
 
     tokens: list[int]
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer [1, kv, len(tokens), d]
+    fused: DraftKV | None = None  # the same, when the network runs on the fused kernels
 
 
 class GlideDrafter(Drafter):
@@ -98,6 +100,11 @@ class GlideDrafter(Drafter):
         self.embed = target.model.get_input_embeddings()
         self.cos, self.sin = rope_tables(target.model, target.info.max_context)
         self.needs = ArtifactNeeds(kv_layers=frozenset({self.cfg.target_layer}))
+        # On the fast backend's fused kernels unless they are off (--no-fused) or do not fit.
+        kernels = getattr(target, "fused", None)
+        self.fast = None
+        if kernels is not None and FusedGlide.supports(net):
+            self.fast = FusedGlide(net, kernels, self.cos, self.sin)
 
     def _forward(
         self,
@@ -105,13 +112,23 @@ class GlideDrafter(Drafter):
         start: int,
         cached: int,
         state: _State,
-        target_kv: tuple[torch.Tensor, torch.Tensor],
+        ctx: DraftContext,
     ) -> torch.Tensor:
-        """Rows ``tokens`` at positions start.. after ``state.kv`` (``start`` entries); the
+        """Rows ``tokens`` at positions start.. after the draft's own KV (``start`` entries); the
         target's cache holds ``cached`` positions. Returns the last row's draft logits [V] and
-        extends ``state.kv``."""
+        extends the draft's KV."""
         n = len(tokens)
         positions = torch.arange(start, start + n)
+        buffers = ctx.kv_buffers(self.cfg.target_layer) if self.fast is not None else None
+        if self.fast is not None and buffers is not None and buffers.keys.dtype == torch.float32:
+            if state.fused is None:
+                state.fused = self.fast.new_kv()
+            assert state.fused.length == start
+            x = self.embed(torch.tensor(tokens)).float()  # [n, hidden]
+            if not self.cfg.cross_attention:
+                return self.fast.forward(x, state.fused, None, None)
+            return self.fast.forward(x, state.fused, buffers, positions.clamp(max=cached).clamp(min=1))
+        target_kv = ctx.kv(self.cfg.target_layer)
         x = self.embed(torch.tensor(tokens)).float()[None]  # [1, n, hidden]
         allowed = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)[None, None]
         cross = cross_allowed(positions[None], cached, positions.clamp(max=cached)[None])
@@ -129,6 +146,8 @@ class GlideDrafter(Drafter):
 
     def _truncate(self, state: _State, length: int) -> None:
         state.tokens = state.tokens[:length]
+        if state.fused is not None:
+            state.fused.length = min(state.fused.length, length)
         if state.kv is not None:
             state.kv = [(k[:, :, :length], v[:, :, :length]) for k, v in state.kv]
             if length == 0:
@@ -149,13 +168,12 @@ class GlideDrafter(Drafter):
                 break
             keep += 1
         self._truncate(state, keep)
-        target_kv = ctx.kv(self.cfg.target_layer)
         sampled = not ctx.sampling.greedy
         nodes: list[int] = []
         parents: list[int] = []
         features: list[str] = []
         with torch.inference_mode():
-            logits = self._forward(tokens[keep:], keep, cached, state, target_kv)
+            logits = self._forward(tokens[keep:], keep, cached, state, ctx)
             state.tokens = list(tokens)
             parent, reach = -1, 1.0
             limit = min(self.depth, ctx.budget)
@@ -182,7 +200,7 @@ class GlideDrafter(Drafter):
                 if depth == limit or reach < self.min_reach or len(nodes) >= ctx.budget:
                     break
                 parent = chain_node
-                logits = self._forward([int(self.d2t[choice])], total + depth - 1, cached, state, target_kv)
+                logits = self._forward([int(self.d2t[choice])], total + depth - 1, cached, state, ctx)
             self._truncate(state, total)
         return DraftTree(tuple(nodes), tuple(parents), features=tuple(features))
 

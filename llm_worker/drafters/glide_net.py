@@ -94,7 +94,7 @@ def block_limit(positions: torch.Tensor, block_size: int, shift: int = 0) -> tor
     return positions - (positions - shift) % block_size
 
 
-class _Layer(nn.Module):
+class GlideLayer(nn.Module):
     def __init__(self, cfg: GlideConfig) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -154,7 +154,7 @@ class GlideNet(nn.Module):
     def __init__(self, cfg: GlideConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(GlideLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.draft_vocab, bias=False)
 
@@ -192,7 +192,7 @@ def init_from_target(net: GlideNet, model: Any, d2t: torch.Tensor, layer_index: 
     read = model.model.layers[net.cfg.target_layer]
     with torch.no_grad():
         for layer in net.layers:
-            assert isinstance(layer, _Layer)
+            assert isinstance(layer, GlideLayer)
             layer.ln_self.weight.copy_(source.input_layernorm.weight.float())
             for mine, theirs in ((layer.q, attn.q_proj), (layer.k, attn.k_proj), (layer.v, attn.v_proj)):
                 mine.weight.copy_(theirs.weight.float())

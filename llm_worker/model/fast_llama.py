@@ -43,7 +43,14 @@ import torch.nn.functional as F
 
 from llm_worker.model import native
 from llm_worker.model.kernels import ROLES, Kernel, KernelChooser, Linear, attention_min_rows, pad_rows_bmm
-from llm_worker.model.target import ForwardCall, ForwardOutput, SequenceState, TargetInfo, TargetModel
+from llm_worker.model.target import (
+    ForwardCall,
+    ForwardOutput,
+    KVBuffers,
+    SequenceState,
+    TargetInfo,
+    TargetModel,
+)
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
 
@@ -434,6 +441,12 @@ class FastLlamaTarget(TargetModel):
         assert isinstance(state, _KVState)
         d = self.info.head_dim
         return state.keys[layer, 0, :, : state.length], state.values[layer, 0, :, : state.length, :d]
+
+    def kv_buffers(self, state: SequenceState, layer: int) -> KVBuffers | None:
+        assert isinstance(state, _KVState)
+        if state.pool is not None:
+            return KVBuffers(state.pool.keys[layer], state.pool.values[layer], state.slot)
+        return KVBuffers(state.keys[layer], state.values[layer], 0)
 
     def commit(self, state: SequenceState, rows: Sequence[int]) -> None:
         assert isinstance(state, _KVState)

@@ -87,6 +87,16 @@ class ForwardCall:
     last_logits_only: bool = False
 
 
+@dataclass(frozen=True)
+class KVBuffers:
+    """One layer's whole cache buffers, for kernels that read a request's cache in place
+    (``TargetModel.kv_buffers``): its committed positions are ``[slot, :, 0:length]``."""
+
+    keys: torch.Tensor  # [slots, num_kv_heads, capacity, head_dim] float32, contiguous
+    values: torch.Tensor  # [slots, num_kv_heads, capacity, >= head_dim] float32, contiguous
+    slot: int
+
+
 class SequenceState:
     """One request's KV cache; ``length`` counts committed positions."""
 
@@ -192,6 +202,11 @@ class TargetModel(ABC):
         """Post-RoPE keys and the values of committed positions, each [num_kv_heads, length,
         head_dim]: views of the cache, not copies."""
         raise NotImplementedError(f"the {self.info.backend} backend does not expose its KV cache")
+
+    def kv_buffers(self, state: SequenceState, layer: int) -> KVBuffers | None:
+        """``layer``'s cache as whole contiguous buffers and the request's slot in them, where the
+        backend keeps it so (the fast backend); None elsewhere (read ``kv`` then)."""
+        return None
 
     @property
     def supports_queries(self) -> bool:

@@ -1,0 +1,178 @@
+"""GLIDE's draft network at inference on the fused CPU kernels (``llm_worker/model/csrc``).
+
+Run through torch operations, one draft token cost about as much as a whole target token on the
+2-core reference CPU (c ≈ 1.2, most of it OpenMP start-up and the threads of one library spinning
+against the other's): a dozen small GEMMs and two attentions per token, each a few microseconds of
+arithmetic. Here the same network runs on the kernels the target's fast forward uses:
+
+- GEMMs through ``quant_linear`` on the fused kernels' own thread pool, the draft's weights rounded
+  once at load to 8-bit blocks of 32 (Q8_0: per block a float16 scale, relative error below
+  0.4 %; 1.1 bytes a weight instead of 4). The draft's guesses may differ from the float32
+  network's in a near-tie; the target's verification decides every token, so outputs cannot;
+- residual add + RMSNorm and SiLU·up fused;
+- self-attention over the draft's own KV (a growing buffer per request, written in place instead
+  of concatenated each step) and cross-attention straight on the target's cache buffers (no copy),
+  both through the fused attention: a query row reads the committed prefix [0, start) of its
+  slot, the self-attention also the new rows it may see.
+
+RoPE of the draft's queries and keys stays in torch (a few hundred numbers a row).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llm_worker.drafters.glide_net import GlideLayer, GlideNet, rotate
+from llm_worker.model import quant
+from llm_worker.model.kernels import Kernel, Linear
+from llm_worker.model.target import KVBuffers
+
+_GROW = 256  # the draft's own KV grows in steps of this many positions
+
+
+def round_to_q8(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, k] (k a multiple of 32) rounded to 8-bit blocks of 32 inputs (Q8_0): per
+    block d = float16(max |w| / 127), w ≈ d · round(w / d). Exactly representable as such blocks,
+    so ``quant.pack_exact`` packs it."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // quant.BLOCK, quant.BLOCK)
+    d = blocks.abs().amax(-1).div(127).half().float()
+    q = (blocks / torch.where(d > 0, d, torch.ones_like(d))[..., None]).round().clamp(-128, 127) + 0.0
+    return (d[..., None] * q).reshape(n, k)  # (+ 0.0: no -0.0 codes; d = 0 gives zeros)
+
+
+def _linear(*weights: torch.Tensor) -> Linear:
+    return Linear(round_to_q8(torch.cat([w.detach().float() for w in weights])), None, Kernel("quant", 1))
+
+
+@dataclass
+class _Layer:
+    ln_self: torch.Tensor
+    qkv: Linear
+    o: Linear
+    ln_cross: torch.Tensor | None
+    cq: Linear | None
+    co: Linear | None
+    ln_mlp: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass
+class DraftKV:
+    """The draft network's own keys and values of one request: per layer [1, kv, capacity, d]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+
+class FusedGlide:
+    """``GlideNet``'s inference forward on the fused kernels (see the module docstring)."""
+
+    def __init__(self, net: GlideNet, fused: Any, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        cfg = net.cfg
+        self.cfg, self.fused = cfg, fused
+        self.cos, self.sin = cos, sin  # [max_context, d] as GlideNet's (transformers' convention)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.layers: list[_Layer] = []
+        for layer in net.layers:
+            assert isinstance(layer, GlideLayer)
+            cross = cfg.cross_attention
+            self.layers.append(
+                _Layer(
+                    ln_self=layer.ln_self.weight.detach().float().contiguous(),
+                    qkv=_linear(layer.q.weight, layer.k.weight, layer.v.weight),
+                    o=_linear(layer.o.weight),
+                    ln_cross=layer.ln_cross.weight.detach().float().contiguous() if cross else None,
+                    cq=_linear(layer.cq.weight) if cross else None,
+                    co=_linear(layer.co.weight) if cross else None,
+                    ln_mlp=layer.ln_mlp.weight.detach().float().contiguous(),
+                    gate_up=_linear(layer.gate.weight, layer.up.weight),
+                    down=_linear(layer.down.weight),
+                )
+            )
+        self.norm = net.norm.weight.detach().float().contiguous()
+        self.head = _linear(net.head.weight)
+
+    @staticmethod
+    def supports(net: GlideNet) -> bool:
+        """Whether every GEMM of ``net`` has whole blocks of 32 inputs."""
+        cfg = net.cfg
+        widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+        return all(w % quant.BLOCK == 0 for w in widths) and cfg.head_dim % 8 == 0
+
+    def new_kv(self) -> DraftKV:
+        cfg = self.cfg
+        shape = (1, cfg.num_kv_heads, _GROW, cfg.head_dim)
+        n = cfg.num_layers
+        return DraftKV([torch.zeros(shape) for _ in range(n)], [torch.zeros(shape) for _ in range(n)])
+
+    def _reserve(self, kv: DraftKV, needed: int) -> None:
+        capacity = kv.keys[0].shape[2]
+        if needed <= capacity:
+            return
+        grown = -(-max(needed, 2 * capacity) // _GROW) * _GROW
+        for i in range(len(kv.keys)):
+            for buffers in (kv.keys, kv.values):
+                old = buffers[i]
+                new = old.new_zeros(1, old.shape[1], grown, old.shape[3])
+                new[:, :, : kv.length] = old[:, :, : kv.length]
+                buffers[i] = new
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, d] rotated at ``positions`` [n] → contiguous [n, heads, d]."""
+        return rotate(x, self.cos[positions][:, None], self.sin[positions][:, None]).contiguous()
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden] float32 embedded tokens at positions kv.length ..
+        kv: DraftKV,
+        target: KVBuffers | None,  # the target's cache of the layer the draft reads
+        limits: torch.Tensor | None,  # [n] long: row j sees target positions < limits[j] (≥ 1)
+    ) -> torch.Tensor:
+        """The last row's draft logits [V]; the rows' own K/V appended to ``kv``."""
+        cfg, fused = self.cfg, self.fused
+        n, past = x.shape[0], kv.length
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self._reserve(kv, past + n)
+        positions = torch.arange(past, past + n)
+        rows = torch.arange(n)
+        self_slot, self_start = torch.zeros(n, dtype=torch.long), torch.full((n,), past, dtype=torch.long)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        if target is not None:
+            assert limits is not None
+            cross_slot = torch.full((n,), target.slot, dtype=torch.long)
+            no_new_rows = torch.zeros(n, 0, dtype=torch.bool)
+        h, a = fused.add_rms_norm(x.contiguous(), None, self.layers[0].ln_self, cfg.rms_eps)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(a)  # [n, (heads + 2 kv) d]
+            q = self._rope(qkv[:, : heads * d].view(n, heads, d), positions)
+            k = self._rope(qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d), positions)
+            v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+            keys, values = kv.keys[index], kv.values[index]
+            keys[0, :, past : past + n] = k.transpose(0, 1)
+            values[0, :, past : past + n] = v.transpose(0, 1)
+            out = torch.empty(n, heads * d)
+            fused.attention(q, keys, values, rows, self_slot, self_start, causal, self.scale, out)
+            if layer.cq is not None and layer.co is not None and layer.ln_cross is not None:
+                assert target is not None and limits is not None
+                h, c = fused.add_rms_norm(h, layer.o(out), layer.ln_cross, cfg.rms_eps)
+                cq = self._rope(layer.cq(c).view(n, heads, d), positions)
+                out = torch.empty(n, heads * d)
+                fused.attention(
+                    cq, target.keys, target.values, rows, cross_slot, limits, no_new_rows, self.scale, out
+                )
+                h, m = fused.add_rms_norm(h, layer.co(out), layer.ln_mlp, cfg.rms_eps)
+            else:
+                h, m = fused.add_rms_norm(h, layer.o(out), layer.ln_mlp, cfg.rms_eps)
+            down = layer.down(fused.silu_mul(layer.gate_up(m)))
+            last = index + 1 == len(self.layers)
+            following = self.norm if last else self.layers[index + 1].ln_self
+            h, a = fused.add_rms_norm(h, down, following, cfg.rms_eps)
+        kv.length = past + n
+        return self.head(a[-1:].contiguous())[0]

@@ -1,0 +1,65 @@
+"""GLIDE's draft network on the fused kernels: the same function as the torch network (whose
+weights are rounded to 8-bit blocks first, as the fused one's are), reading the target's cache
+in place; and the 8-bit rounding packs exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.models import tiny_model
+from llm_worker.config import ModelConfig
+from llm_worker.drafters.base import DraftContext
+from llm_worker.drafters.glide import GlideDrafter, _State
+from llm_worker.drafters.glide_fused import round_to_q8
+from llm_worker.drafters.glide_net import GlideNet, glide_config_for
+from llm_worker.model import native, quant, wrap_model
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the fused kernels do not build here")
+
+
+def test_rounding_to_8_bit_blocks_packs_exactly_and_is_idempotent() -> None:
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    w[3, :32] = 0.0  # a zero block
+    r = round_to_q8(w)
+    packed = quant.pack_exact(r)
+    assert packed is not None and packed.n == 48
+    assert torch.equal(round_to_q8(r), r)
+    assert float((r - w).abs().max()) <= float(w.abs().max()) / 127
+
+
+@pytest.mark.parametrize("cross", [True, False], ids=["glide", "vanilla"])
+def test_fused_network_matches_the_torch_network(cross: bool) -> None:
+    model = tiny_model("llama", vocab=96)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    torch.manual_seed(1)
+    net = GlideNet(glide_config_for(model, 64, cross_attention=cross))
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() == 2:
+                p.copy_(round_to_q8(p * 4))  # exact 8-bit blocks: the fused network's rounding is a no-op
+    d2t = torch.arange(64)
+    drafter = GlideDrafter(target, net, d2t, 8, 0.05, None)
+    assert drafter.fast is not None
+
+    state = target.start()
+    tokens = np.random.default_rng(0).integers(1, 90, size=41)
+    target.forward(state, torch.tensor(tokens[:40]), None, drafter.needs)
+    target.commit(state, range(40))
+    ctx = DraftContext(
+        tokens,
+        8,
+        kv=lambda layer: target.kv(state, layer),
+        kv_buffers=lambda layer: target.kv_buffers(state, layer),
+    )
+    fused_state, torch_state = _State([], None), _State([], None)
+    fast = drafter.fast
+    with torch.inference_mode():
+        for start, chunk in [(0, tokens.tolist()), (41, [5]), (42, [17])]:
+            drafter.fast = fast
+            a = drafter._forward(chunk, start, 40, fused_state, ctx)
+            drafter.fast = None
+            b = drafter._forward(chunk, start, 40, torch_state, ctx)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert fused_state.fused is not None and fused_state.fused.length == 43
