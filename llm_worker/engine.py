@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +65,13 @@ class StepOutput:
     """Tokens one step committed, streamed as they come."""
 
     token_ids: list[int]
+
+
+def _pricer(planner: DraftPlanner, session: BatchSession | None, length: int) -> Callable[[int], float]:
+    """Seconds of a forward of the root and n draft tokens at ``length``, beside the batch's
+    other rows when there is a batch (what the planner prices a plan at)."""
+    load = session.load() if session is not None else ALONE
+    return lambda n: load.cost(planner.curve, 1 + n, length)
 
 
 class _Artifacts:
@@ -355,6 +362,7 @@ class Engine:
                     request_state=request_state,
                     kv=(lambda layer: target.kv(state, layer)) if needs.kv_layers else None,
                     kv_buffers=(lambda layer: target.kv_buffers(state, layer)) if needs.kv_layers else None,
+                    verify_seconds=_pricer(planner, session, out.length),
                     sampling=sampling,
                     noise=noise,
                 )

@@ -63,3 +63,30 @@ def test_fused_network_matches_the_torch_network(cross: bool) -> None:
             b = drafter._forward(chunk, start, 40, torch_state, ctx)
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert fused_state.fused is not None and fused_state.fused.length == 43
+
+
+def test_chain_stops_where_another_token_would_not_pay() -> None:
+    model = tiny_model("llama", vocab=96)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    torch.manual_seed(1)
+    net = GlideNet(glide_config_for(model, 64))
+    drafter = GlideDrafter(target, net, torch.arange(64), 6, 0.0, None)
+    state = target.start()
+    tokens = np.random.default_rng(0).integers(1, 60, size=21)
+    target.forward(state, torch.tensor(tokens[:20]), None, drafter.needs)
+    target.commit(state, range(20))
+
+    def chain(token_seconds: float | None) -> int:
+        drafter.token_seconds = token_seconds
+        ctx = DraftContext(
+            tokens,
+            8,
+            kv=lambda layer: target.kv(state, layer),
+            kv_buffers=lambda layer: target.kv_buffers(state, layer),
+            verify_seconds=lambda n: 1e9 + 0.001 * n,  # a step dear enough for any reach ≥ 64^-6
+        )
+        return len(drafter.propose(ctx))
+
+    assert chain(None) == 6  # nothing measured yet: the chain runs to its depth
+    assert chain(0.0) == 6  # free draft forwards: every token pays
+    assert chain(2e9) == 1  # a draft forward dearer than a step: the first token only (no forward)

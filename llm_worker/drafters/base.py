@@ -61,6 +61,7 @@ class DraftContext:
         sampling: SamplingParams | None = None,
         noise: SamplingNoise | None = None,
         kv_buffers: Callable[[int], KVBuffers | None] | None = None,
+        verify_seconds: Callable[[int], float] | None = None,
     ) -> None:
         self.tokens = tokens  # [T] int64
         self.budget = budget
@@ -71,6 +72,9 @@ class DraftContext:
         self._attention = attention
         self._kv = kv
         self._kv_buffers = kv_buffers
+        self.verify_seconds = verify_seconds
+        """The planner's price of this step's forward with n draft tokens (seconds; n = 0: the
+        root alone), where a drafter weighs its own time against what a token saves."""
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's cached keys (after RoPE) and values of ``layer`` at positions 0 .. T-2,

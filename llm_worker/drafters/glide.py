@@ -4,8 +4,10 @@ Each step the draft network (``glide_net``) first catches up on the committed to
 seen (one forward; its own KV cache for committed positions is kept per request), then drafts a
 chain from the root, one token per forward, reading the target's *live* cache of one layer (no
 copy; it ends before the root, as in training's block mask). The chain stops at the step budget,
-at ``depth`` tokens, or when the product of the draft's top-1 probabilities along it falls below
-``min_reach`` (drafting further would rarely pay for the draft's own time).
+at ``depth`` tokens, when the product of the draft's top-1 probabilities along it (its reach) falls
+below ``min_reach``, or when another token would not pay for itself: its reach times the seconds a
+step of the root alone takes, against the draft forward's measured seconds plus what the token
+adds to the verify forward (the planner's cost curve, under the batch's load).
 
 Greedy requests draft the draft's argmax. Sampled requests sample each chain token from the
 draft's distribution q (the request's temperature / top-k / top-p over the draft vocabulary) with
@@ -24,6 +26,7 @@ acceptance by the draft's own confidence and keeps only the nodes that pay for t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +103,7 @@ class GlideDrafter(Drafter):
         self.embed = target.model.get_input_embeddings()
         self.cos, self.sin = rope_tables(target.model, target.info.max_context)
         self.needs = ArtifactNeeds(kv_layers=frozenset({self.cfg.target_layer}))
+        self.token_seconds: float | None = None  # one chain token's draft forward, measured (EMA)
         # On the fast backend's fused kernels unless they are off (--no-fused) or do not fit.
         kernels = getattr(target, "fused", None)
         self.fast = None
@@ -143,6 +147,16 @@ class GlideDrafter(Drafter):
             past=state.kv,
         )
         return logits[0, -1]
+
+    def _another_pays(self, reach: float, drafted: int, ctx: DraftContext) -> bool:
+        """Whether one more chain token is worth its draft forward: the tokens it may add (at most
+        ``reach``, the chance the chain survives so far, each saving a step of the root alone)
+        against the draft forward's measured seconds and what the token adds to the verify."""
+        if ctx.verify_seconds is None or self.token_seconds is None:
+            return True
+        step = ctx.verify_seconds(0)
+        more = ctx.verify_seconds(drafted + 1) - ctx.verify_seconds(drafted)
+        return reach * step > self.token_seconds + more
 
     def _truncate(self, state: _State, length: int) -> None:
         state.tokens = state.tokens[:length]
@@ -199,8 +213,15 @@ class GlideDrafter(Drafter):
                 reach *= top
                 if depth == limit or reach < self.min_reach or len(nodes) >= ctx.budget:
                     break
+                if not self._another_pays(reach, len(nodes), ctx):
+                    break
                 parent = chain_node
+                began = time.perf_counter()
                 logits = self._forward([int(self.d2t[choice])], total + depth - 1, cached, state, ctx)
+                seconds = time.perf_counter() - began
+                self.token_seconds = (
+                    seconds if self.token_seconds is None else 0.9 * self.token_seconds + 0.1 * seconds
+                )
             self._truncate(state, total)
         return DraftTree(tuple(nodes), tuple(parents), features=tuple(features))
 
