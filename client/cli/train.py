@@ -5,6 +5,7 @@ directory keeps its files); the library is ``llm_worker.training``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -134,9 +135,13 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
         )
         args.data_dtype = str(chosen).removeprefix("torch.")
     report["data_dtype"] = args.data_dtype
-    writer = target
-    if args.data_dtype != args.dtype:
-        writer, _ = load_model(model_config(argparse.Namespace(**{**vars(args), "dtype": args.data_dtype})))
+    # The writer keeps every sequence in flight in its KV pool (grouped attention: one kernel call
+    # per layer for all of them, not one per sequence).
+    writer_cfg = dataclasses.replace(
+        model_config(argparse.Namespace(**{**vars(args), "dtype": args.data_dtype})),
+        kv_pool_slots=max(16, args.generate_batch),
+    )
+    writer, _ = load_model(writer_cfg)
     completer: Completer | TargetCompleter
     if writer.info.backend == "fast":  # many sequences in flight through its batched forward
         completer = TargetCompleter(writer, info.eos_token_ids, data_cfg.batch_size)

@@ -25,6 +25,8 @@ from llm_worker.logits import argmax
 from llm_worker.model.target import ForwardCall, SequenceState, TargetModel
 from llm_worker.types import ArtifactNeeds
 
+_NUCLEUS_FIRST = 1024
+
 
 @dataclass
 class _Running:
@@ -38,13 +40,20 @@ class _Running:
 def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, rng: np.random.Generator) -> int:
     """One token from ``softmax(logits / temperature)`` cut to the smallest set of most likely
     tokens whose probability reaches ``top_p`` (nucleus sampling). In numpy on one thread, as
-    ``llm_worker.logits`` (no OpenMP workers left spinning against the next forward)."""
+    ``llm_worker.logits`` (no OpenMP workers left spinning against the next forward); the
+    nucleus is looked for among the 1 024 likeliest tokens first (a partition, not a sort of the
+    whole vocabulary), in all of them if those do not reach ``top_p``."""
     scaled = logits.detach().float().numpy().astype(np.float64) / temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
+    candidates = np.arange(probs.size)
+    if probs.size > _NUCLEUS_FIRST:
+        head = np.argpartition(-probs, _NUCLEUS_FIRST - 1)[:_NUCLEUS_FIRST]
+        if probs[head].sum() >= top_p:
+            candidates = head
+    order = candidates[np.lexsort((candidates, -probs[candidates]))]  # likeliest first, ties by id
     ordered = probs[order]
-    kept = int(np.searchsorted(np.cumsum(ordered), top_p)) + 1  # the first token is always kept
+    kept = min(int(np.searchsorted(np.cumsum(ordered), top_p)) + 1, order.size)  # the first always kept
     ordered = ordered[:kept] / ordered[:kept].sum()
     return int(order[rng.choice(kept, p=ordered)])
 
