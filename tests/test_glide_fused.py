@@ -12,7 +12,6 @@ from helpers.models import tiny_model
 from llm_worker.config import ModelConfig
 from llm_worker.drafters.base import DraftContext
 from llm_worker.drafters.glide import GlideDrafter, _State
-from llm_worker.drafters.glide_fused import round_to_q8
 from llm_worker.drafters.glide_net import GlideNet, glide_config_for
 from llm_worker.model import native, quant, wrap_model
 
@@ -22,10 +21,10 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="the fused kernels
 def test_rounding_to_8_bit_blocks_packs_exactly_and_is_idempotent() -> None:
     w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
     w[3, :32] = 0.0  # a zero block
-    r = round_to_q8(w)
+    r = quant.round_to_eight_bit(w)
     packed = quant.pack_exact(r)
     assert packed is not None and packed.n == 48
-    assert torch.equal(round_to_q8(r), r)
+    assert torch.equal(quant.round_to_eight_bit(r), r)
     assert float((r - w).abs().max()) <= float(w.abs().max()) / 127
 
 
@@ -38,7 +37,9 @@ def test_fused_network_matches_the_torch_network(cross: bool) -> None:
     with torch.no_grad():
         for p in net.parameters():
             if p.dim() == 2:
-                p.copy_(round_to_q8(p * 4))  # exact 8-bit blocks: the fused network's rounding is a no-op
+                p.copy_(
+                    quant.round_to_eight_bit(p * 4)
+                )  # exact 8-bit blocks: the fused network's rounding is a no-op
     d2t = torch.arange(64)
     drafter = GlideDrafter(target, net, d2t, 8, 0.05, None)
     assert drafter.fast is not None

@@ -101,8 +101,15 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
         raise CliError("--context-weight must be >= 0")
     began = time.perf_counter()
     report: dict[str, Any] = {}
+
+    def config(dtype: str) -> Any:
+        # The KV pool holds every sequence the data writer keeps in flight (grouped attention:
+        # one kernel call per layer for all of them); it grows only as slots are taken.
+        loaded = model_config(argparse.Namespace(**{**vars(args), "dtype": dtype}))
+        return dataclasses.replace(loaded, kv_pool_slots=max(loaded.kv_pool_slots, args.generate_batch))
+
     try:
-        target, tokenizer = load_model(model_config(args))
+        target, tokenizer = load_model(config(args.dtype))
     except AssemblyError as exc:
         raise CliError(str(exc)) from exc
     if not getattr(tokenizer, "chat_template", None):
@@ -135,13 +142,9 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
         )
         args.data_dtype = str(chosen).removeprefix("torch.")
     report["data_dtype"] = args.data_dtype
-    # The writer keeps every sequence in flight in its KV pool (grouped attention: one kernel call
-    # per layer for all of them, not one per sequence).
-    writer_cfg = dataclasses.replace(
-        model_config(argparse.Namespace(**{**vars(args), "dtype": args.data_dtype})),
-        kv_pool_slots=max(16, args.generate_batch),
-    )
-    writer, _ = load_model(writer_cfg)
+    writer = target
+    if args.data_dtype != args.dtype:
+        writer, _ = load_model(config(args.data_dtype))
     completer: Completer | TargetCompleter
     if writer.info.backend == "fast":  # many sequences in flight through its batched forward
         completer = TargetCompleter(writer, info.eos_token_ids, data_cfg.batch_size)

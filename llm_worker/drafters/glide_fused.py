@@ -34,19 +34,10 @@ from llm_worker.model.target import KVBuffers
 _GROW = 256  # the draft's own KV grows in steps of this many positions
 
 
-def round_to_q8(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [n, k] (k a multiple of 32) rounded to 8-bit blocks of 32 inputs (Q8_0): per
-    block d = float16(max |w| / 127), w ≈ d · round(w / d). Exactly representable as such blocks,
-    so ``quant.pack_exact`` packs it."""
-    n, k = weight.shape
-    blocks = weight.detach().float().reshape(n, k // quant.BLOCK, quant.BLOCK)
-    d = blocks.abs().amax(-1).div(127).half().float()
-    q = (blocks / torch.where(d > 0, d, torch.ones_like(d))[..., None]).round().clamp(-128, 127) + 0.0
-    return (d[..., None] * q).reshape(n, k)  # (+ 0.0: no -0.0 codes; d = 0 gives zeros)
-
-
 def _linear(*weights: torch.Tensor) -> Linear:
-    return Linear(round_to_q8(torch.cat([w.detach().float() for w in weights])), None, Kernel("quant", 1))
+    return Linear(
+        quant.round_to_eight_bit(torch.cat([w.detach().float() for w in weights])), None, Kernel("quant", 1)
+    )
 
 
 @dataclass

@@ -116,6 +116,17 @@ def _eight_bit(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return None if found is None else (found[0].to(torch.int8), found[1])
 
 
+def round_to_eight_bit(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, k] (k a multiple of 32) rounded to 8-bit blocks of 32 inputs (Q8_0): per
+    block d = float16(max |w| / 127), w ≈ d · round(w / d) — exactly such blocks, so
+    ``pack_exact`` packs the result (a network that is not stored quantised, e.g. a draft
+    network, can then run on ``quant_linear``)."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = _as_half(blocks.abs().amax(-1) / 127)
+    return (d[..., None] * _codes(blocks, d, -128, 127, torch.int8)).reshape(n, k)
+
+
 def _panels(x: torch.Tensor, panels: int) -> torch.Tensor:
     """[panels · 16, ...] rows → [panels, ..., 16]: each panel's 16 rows made the last dim."""
     return x.reshape(panels, PANEL, *x.shape[1:]).movedim(1, -1).contiguous()
