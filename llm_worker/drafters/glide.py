@@ -48,7 +48,7 @@ from llm_worker.drafters.glide_fused import DraftKV, FusedGlide
 from llm_worker.drafters.glide_net import GlideConfig, GlideNet, cross_allowed, rope_tables
 from llm_worker.model.target import TargetModel
 from llm_worker.sampling import warp_logits
-from llm_worker.types import ArtifactNeeds, DraftTree
+from llm_worker.types import ArtifactNeeds, DraftTree, causal_mask
 
 CAPE_BOUNDS = (0.3, 0.6, 0.8, 1.0)
 DEFAULT_CAPE = (7, 5, 3, 1)
@@ -134,7 +134,7 @@ class GlideDrafter(Drafter):
             return self.fast.forward(x, state.fused, buffers, positions.clamp(max=cached).clamp(min=1))
         target_kv = ctx.kv(self.cfg.target_layer)
         x = self.embed(torch.tensor(tokens)).float()[None]  # [1, n, hidden]
-        allowed = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)[None, None]
+        allowed = causal_mask(n, start + n, start)[None, None]
         cross = cross_allowed(positions[None], cached, positions.clamp(max=cached)[None])
         keys, values = target_kv
         logits, state.kv = self.net(

@@ -30,6 +30,7 @@ from llm_worker.drafters.glide_net import GlideLayer, GlideNet, rotate
 from llm_worker.model import quant
 from llm_worker.model.kernels import Kernel, Linear
 from llm_worker.model.target import KVBuffers
+from llm_worker.types import causal_mask
 
 _GROW = 256  # the draft's own KV grows in steps of this many positions
 
@@ -134,7 +135,7 @@ class FusedGlide:
         positions = torch.arange(past, past + n)
         rows = torch.arange(n)
         self_slot, self_start = torch.zeros(n, dtype=torch.long), torch.full((n,), past, dtype=torch.long)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        causal = causal_mask(n)
         if target is not None:
             assert limits is not None
             cross_slot = torch.full((n,), target.slot, dtype=torch.long)

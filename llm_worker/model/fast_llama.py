@@ -51,7 +51,7 @@ from llm_worker.model.target import (
     TargetInfo,
     TargetModel,
 )
-from llm_worker.types import ArtifactNeeds
+from llm_worker.types import ArtifactNeeds, causal_mask
 from llm_worker.verify.tree import TreeBuffers
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -602,7 +602,7 @@ class FastLlamaTarget(TargetModel):
         if tree is not None:
             allowed[:, start:end] = tree.mask.to(self.device)
         else:
-            allowed[:, start:end] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            allowed[:, start:end] = causal_mask(n).to(self.device)
         bias = torch.zeros(n, t, dtype=self.attn_dtype, device=self.device)
         return bias.masked_fill_(~allowed, float("-inf"))
 
@@ -695,7 +695,8 @@ class FastLlamaTarget(TargetModel):
 
     def _forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
         if self.fused is not None:
-            return self._forward_fused(calls)
+            with native.serial_torch(self.own_threads):
+                return self._forward_fused(calls)
         info = self.info
         parts: list[_Part] = []
         for call in calls:
@@ -783,7 +784,7 @@ class FastLlamaTarget(TargetModel):
                     f"{self.info.max_context}"
                 )
             self._reserve(state, start + n)
-            visible = tree.mask if tree is not None else torch.ones(n, n, dtype=torch.bool).tril()
+            visible = tree.mask if tree is not None else causal_mask(n)
             key = -1 if state.pool is not None else id(state)
             members.setdefault(key, []).append((state, row, n, visible))
             spans.append(slice(row, row + n))

@@ -27,6 +27,8 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -110,6 +112,29 @@ def load() -> ModuleType | None:
         module.configure(torch.get_num_threads())  # torch's intra-op threads, as set at load
     _loaded[name] = module
     return module
+
+
+@contextmanager
+def serial_torch(on: bool = True) -> Iterator[None]:
+    """torch's own operations run on the calling thread alone inside (``on``); the fused
+    kernels' pool keeps its threads.
+
+    A forward whose GEMMs all run on the pool still makes a few dozen small torch operations
+    (the embedding, indexing, masks, copies). torch opens an OpenMP parallel region for many of
+    them however small; the region wakes torch's worker threads, which then spin for a while and
+    take a core from the pool's worker. On a 2-core EPYC that made a 2-row forward cost 1.9
+    single-row ones instead of 1.2 (one GEMM now and then waited milliseconds for its second
+    thread). ``torch.set_num_threads`` is process-wide, so callers hold the scope only while
+    they run the model (the target's forward keeps one caller at a time)."""
+    threads = torch.get_num_threads()
+    if not on or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _build(name: str, directory: Path) -> ModuleType:
