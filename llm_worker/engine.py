@@ -353,7 +353,13 @@ class Engine:
             draft: Draft = DraftTree.empty()
             remaining = req.max_new_tokens - len(out.generated)
             budget = planner.step_budget(remaining, req.draft_budget) if planner is not None else NO_BUDGET
-            if planner is not None and budget.tree_nodes > 0:
+            drafting = planner is not None and budget.tree_nodes > 0
+            if planner is not None and drafting:
+                with rt.lock:
+                    drafting = planner.gate.open(confidence)
+                stats.gated_steps += int(not drafting)
+            price = _pricer(planner, session, out.length) if planner is not None else None
+            if planner is not None and drafting:
                 ctx = DraftContext(
                     out.context(),
                     budget.tree_nodes,
@@ -362,7 +368,7 @@ class Engine:
                     request_state=request_state,
                     kv=(lambda layer: target.kv(state, layer)) if needs.kv_layers else None,
                     kv_buffers=(lambda layer: target.kv_buffers(state, layer)) if needs.kv_layers else None,
-                    verify_seconds=_pricer(planner, session, out.length),
+                    verify_seconds=price,
                     sampling=sampling,
                     noise=noise,
                 )
@@ -392,6 +398,12 @@ class Engine:
             stats.observe_step(len(draft), step.result.num_accepted, len(emitted), t1 - t0, t2 - t1)
             if len(step.decided):
                 stats.observe_depths(max(step.decided.depths()), step.result.num_accepted)
+            if drafting and planner is not None and price is not None:
+                # what drafting earned: each accepted token saved a step of the root alone
+                extra = price(len(draft)) - price(0)
+                earned = step.result.num_accepted * price(0) - (t1 - t0) - extra
+                with rt.lock:
+                    planner.gate.observe(step_confidence, earned / price(0), (t1 - t0) / price(0))
             if len(draft) and planner is not None:
                 with rt.lock:
                     planner.observe(step.decided, step.result, step_confidence)

@@ -204,6 +204,70 @@ class AcceptanceModel:
                 entry[1] = entry[1] * decay + 1.0
 
 
+@dataclass
+class _GateBucket:
+    earned: float = 0.0  # mean steps a drafting step earned (negative: lost)
+    spent: float = 0.0  # mean steps a drafting step spent drafting, before any verify
+    seen: int = 0
+    skipped: int = 0  # steps skipped since the last probe
+    interval: int = 0  # a probe every this many steps while closed (0: not closed yet)
+
+
+@dataclass
+class DraftGate:
+    """Whether a step drafts at all: learned from what drafting earned, before a drafter spends.
+
+    The acceptance model sizes a draft after it exists; a learned drafter pays for its forwards
+    before that (``glide``: a catch-up forward and one forward per chain token), so where its
+    drafts rarely pay the cheapest plan is not to draft. After every step that drafted, the gate
+    books what drafting earned, in steps of the root alone,
+
+        (accepted · t(1) − draft seconds − (t(1 + n) − t(1))) / t(1),
+
+    and what drafting spent, draft seconds / t(1) (each accepted token saved a step; the
+    drafting and the n verified nodes' share of the forward are priced under the batch's load),
+    keyed by the target's confidence in the root (``confidence_bucket``), as running means that
+    turn into exponential ones (weight ``gate_rate``). A bucket closes where drafting lost more
+    than ``gate_margin`` of a step and spent more than that before verifying: a drafter that
+    costs next to nothing (``pld`` looks a context up in under 2 % of a step) is left to the
+    acceptance model, so its bursts of long copies are never missed. A closed bucket still
+    drafts every ``gate_probe``-th step, the interval doubling (to ``gate_probe_max``) after each
+    probe that did not reopen it, so that it can prove otherwise when the text changes; the first
+    ``gate_warmup`` steps of a bucket always draft. Output never depends on the gate: a step
+    that does not draft is a plain decoding step.
+    """
+
+    cfg: PlannerConfig
+    buckets: dict[float, _GateBucket] = field(default_factory=dict)
+
+    def _closed(self, b: _GateBucket) -> bool:
+        margin = self.cfg.gate_margin
+        return b.seen >= self.cfg.gate_warmup and b.earned < -margin and b.spent > margin
+
+    def open(self, confidence: float) -> bool:
+        cfg = self.cfg
+        b = self.buckets.get(confidence_bucket(confidence))
+        if not cfg.gate or b is None or not self._closed(b):
+            return True
+        b.interval = b.interval or cfg.gate_probe
+        b.skipped += 1
+        if b.skipped >= b.interval:
+            b.skipped = 0
+            return True
+        return False
+
+    def observe(self, confidence: float, earned: float, spent: float) -> None:
+        """One drafting step: ``earned`` steps of the root alone (negative: lost), ``spent``
+        steps drafting."""
+        b = self.buckets.setdefault(confidence_bucket(confidence), _GateBucket())
+        b.seen += 1
+        weight = max(1.0 / b.seen, self.cfg.gate_rate)
+        b.earned += (earned - b.earned) * weight
+        b.spent += (spent - b.spent) * weight
+        if b.interval:  # a probe: the next one comes later if this one did not reopen the bucket
+            b.interval = min(2 * b.interval, self.cfg.gate_probe_max) if self._closed(b) else 0
+
+
 @dataclass(frozen=True)
 class BatchLoad:
     """The rest of the forward a request's draft joins (``llm_worker.batching``): the rows the
@@ -271,6 +335,7 @@ class DraftPlanner:
         self.curve = curve
         self.cfg = cfg
         self.acceptance = AcceptanceModel(cfg)
+        self.gate = DraftGate(cfg)
         self._skipped = 0
 
     def step_budget(self, remaining_tokens: int, draft_budget: int | None = None) -> DraftBudget:

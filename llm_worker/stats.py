@@ -18,6 +18,7 @@ class GenerationStats:
     new_tokens: int = 0
     target_forwards: int = 0
     drafted_tokens: int = 0  # draft tokens sent to verification
+    gated_steps: int = 0  # steps that did not draft because drafting had not paid (``DraftGate``)
     accepted_tokens: int = 0  # of those, accepted
     draft_seconds: float = 0.0  # proposing and planning drafts
     verify_seconds: float = 0.0  # target forwards (prefill included) and accept / reject
@@ -73,6 +74,7 @@ class GenerationStats:
             "tau": round(self.tau, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "drafted_tokens": self.drafted_tokens,
+            "gated_steps": self.gated_steps,
             "accepted_tokens": self.accepted_tokens,
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),

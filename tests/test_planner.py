@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from helpers.models import tiny_target
+from helpers.models import engine_for, greedy_tokens, prompts, tiny_target
 from llm_worker.config import CostConfig, PlannerConfig
-from llm_worker.planner import AcceptanceModel, CostCurve, DraftPlanner, measure_cost_curve
+from llm_worker.drafters import DRAFTERS, DraftContext, Drafter
+from llm_worker.engine import GenerationRequest
+from llm_worker.planner import AcceptanceModel, CostCurve, DraftGate, DraftPlanner, measure_cost_curve
 from llm_worker.types import DraftTree, Outcome, VerifyResult
+
+
+class CostlyWrong(Drafter):
+    """Spends 2 ms on every draft and is never right (a token the target never chose)."""
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        time.sleep(0.002)
+        return DraftTree.chain([(int(ctx.tokens[-1]) + 1) % 7], features=["w"])
 
 
 def test_curve_interpolates_in_size_and_context() -> None:
@@ -58,6 +70,33 @@ def test_the_choice_maximises_expected_tokens_per_second() -> None:
         return sum(0.7**i for i in range(m + 1)) / curve.t(1 + m, 100)
 
     assert all(rate(k) >= rate(m) - 1e-12 for m in range(31))
+
+
+def test_gate_closes_where_drafting_lost_time_and_probes_to_reopen() -> None:
+    gate = DraftGate(PlannerConfig(gate_warmup=4, gate_probe=5, gate_rate=0.5))
+    for _ in range(4):  # warm-up: always drafts, whatever it cost
+        assert gate.open(0.5)
+        gate.observe(0.5, -0.2, 0.3)  # spent 0.3 of a step drafting, lost 0.2
+    assert [gate.open(0.5) for _ in range(10)] == [False] * 4 + [True] + [False] * 4 + [True]
+    gate.observe(0.5, -0.2, 0.3)  # a probe that did not pay: the next one waits twice as long
+    assert [gate.open(0.5) for _ in range(10)] == [False] * 9 + [True]
+    assert gate.open(0.995)  # another confidence bucket keeps its own record
+    for _ in range(3):  # probes that earned time bring the mean above the margin: open again
+        gate.observe(0.5, 1.0, 0.3)
+    assert all(gate.open(0.5) for _ in range(6))
+
+
+def test_gate_off_always_drafts() -> None:
+    gate = DraftGate(PlannerConfig(gate=False, gate_warmup=1))
+    gate.observe(0.5, -1.0, 1.0)
+    assert gate.open(0.5)
+
+
+def test_gate_stays_open_for_drafters_that_cost_next_to_nothing() -> None:
+    gate = DraftGate(PlannerConfig(gate_warmup=1, gate_margin=0.05))
+    for _ in range(20):
+        gate.observe(0.5, -0.2, 0.01)  # 1 % of a step looking, the rest a verify that failed
+    assert all(gate.open(0.5) for _ in range(10))
 
 
 def test_acceptance_is_learned_per_feature_and_depth() -> None:
@@ -127,3 +166,19 @@ def test_measured_curve_on_a_tiny_model_is_sane() -> None:
     assert curve.sizes == (1, 4, 16, 17)
     assert curve.contexts == (32, 64)
     assert [len(row) for row in curve.seconds] == [len(curve.sizes)] * len(curve.contexts)  # [C][S]
+
+
+def test_engine_stops_drafting_where_drafts_cost_more_than_they_earn() -> None:
+    target = tiny_target("llama")
+    prompt = prompts(target.info.vocab_size)[0]
+    with DRAFTERS.registered("test-costly", "test only", lambda target, opts, res: CostlyWrong()):
+        for gate, gated in ((True, True), (False, False)):
+            engine = engine_for(target, CostCurve.linear(0.001, 0.0), gate=gate, gate_warmup=4, gate_probe=8)
+            ref = greedy_tokens(engine, prompt, "ar", 48)
+            res = engine.generate(GenerationRequest(tuple(prompt), 48, "test-costly"))
+            assert res.token_ids == ref
+            steps = res.stats.target_forwards - 1  # the prefill drafts nothing
+            if gated:  # after the warm-up of each bucket, only one step in eight still drafts
+                assert steps > 12 and res.stats.gated_steps >= steps // 2
+            else:
+                assert res.stats.gated_steps == 0
