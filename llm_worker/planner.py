@@ -128,11 +128,18 @@ def measure_cost_curve(target: TargetModel, cfg: CostConfig, max_size: int) -> C
     return CostCurve(sizes, contexts, tuple(rows))
 
 
+CURVE_FORMAT = 2
+"""Part of a cached curve's name: raised when the forward's cost changes without its kernels'
+build changing (2: small torch operations no longer wake OpenMP workers inside the forward)."""
+
+
 def cost_cache_path(target: TargetModel) -> Path:
     i = target.info
     threads = torch.get_num_threads()
     backend = i.backend + target.kernel_variant
-    key = f"{i.fingerprint}-{backend}-{i.dtype}-{i.device}-t{threads}-torch{torch.__version__}"
+    key = (
+        f"{i.fingerprint}-{backend}-{i.dtype}-{i.device}-t{threads}-torch{torch.__version__}-v{CURVE_FORMAT}"
+    )
     return cache_root() / "cost" / (key.replace("/", "_").replace(":", "_") + ".json")
 
 
