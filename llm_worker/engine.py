@@ -347,6 +347,8 @@ class Engine:
         request_state = RequestState()
         yield StepOutput(out.emit([first], [NO_SOURCE], drafter.name))
 
+        plain_step: float | None = None  # seconds of a step that verified no draft, measured
+        gap = False  # the last step did not draft
         while not out.finish:
             # propose
             t0 = time.perf_counter()
@@ -399,11 +401,15 @@ class Engine:
             if len(step.decided):
                 stats.observe_depths(max(step.decided.depths()), step.result.num_accepted)
             if drafting and planner is not None and price is not None:
-                # what drafting earned: each accepted token saved a step of the root alone
-                extra = price(len(draft)) - price(0)
-                earned = step.result.num_accepted * price(0) - (t1 - t0) - extra
+                # what drafting earned: each accepted token saved a plain step
+                saved = step.result.num_accepted * (plain_step or price(0))
+                verified = (saved - (price(len(draft)) - price(0))) / price(0)
                 with rt.lock:
-                    planner.gate.observe(step_confidence, earned / price(0), (t1 - t0) / price(0))
+                    planner.gate.observe(step_confidence, verified, (t1 - t0) / price(0), gap)
+            elif not len(draft):  # a plain step: what one costs this request, all told
+                seconds = time.perf_counter() - t0
+                plain_step = seconds if plain_step is None else 0.9 * plain_step + 0.1 * seconds
+            gap = not drafting
             if len(draft) and planner is not None:
                 with rt.lock:
                     planner.observe(step.decided, step.result, step_confidence)

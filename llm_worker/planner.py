@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import random
 import statistics
 import time
@@ -214,6 +215,7 @@ class AcceptanceModel:
 @dataclass
 class _GateBucket:
     earned: float = 0.0  # mean steps a drafting step earned (negative: lost)
+    square: float = 0.0  # mean of their squares
     spent: float = 0.0  # mean steps a drafting step spent drafting, before any verify
     seen: int = 0
     skipped: int = 0  # steps skipped since the last probe
@@ -229,13 +231,15 @@ class DraftGate:
     drafts rarely pay the cheapest plan is not to draft. After every step that drafted, the gate
     books what drafting earned, in steps of the root alone,
 
-        (accepted · t(1) − draft seconds − (t(1 + n) − t(1))) / t(1),
+        (accepted · s − draft seconds − (t(1 + n) − t(1))) / t(1),
 
-    and what drafting spent, draft seconds / t(1) (each accepted token saved a step; the
-    drafting and the n verified nodes' share of the forward are priced under the batch's load),
+    and what drafting spent, draft seconds / t(1) (each accepted token saved a step, s seconds
+    as the request's plain steps measured; the n verified nodes' share of the forward is priced
+    under the batch's load),
     keyed by the target's confidence in the root (``confidence_bucket``), as running means that
     turn into exponential ones (weight ``gate_rate``). A bucket closes where drafting lost more
-    than ``gate_margin`` of a step and spent more than that before verifying: a drafter that
+    than ``gate_margin`` of a step beyond doubt (``_closed``) and spent more than that before
+    verifying: a drafter that
     costs next to nothing (``pld`` looks a context up in under 2 % of a step) is left to the
     acceptance model, so its bursts of long copies are never missed. A closed bucket still
     drafts every ``gate_probe``-th step, the interval doubling (to ``gate_probe_max``) after each
@@ -248,8 +252,15 @@ class DraftGate:
     buckets: dict[float, _GateBucket] = field(default_factory=dict)
 
     def _closed(self, b: _GateBucket) -> bool:
-        margin = self.cfg.gate_margin
-        return b.seen >= self.cfg.gate_warmup and b.earned < -margin and b.spent > margin
+        """Drafting spent and lost more than the margin, beyond doubt: the mean plus one standard
+        error (over the ~1 / ``gate_rate`` steps the mean remembers) still below it. A step
+        earns 0 to 5 or more steps, so a mean of a few dozen is no verdict by itself."""
+        cfg = self.cfg
+        if b.seen < cfg.gate_warmup or b.spent <= cfg.gate_margin:
+            return False
+        remembered = min(b.seen, 1.0 / cfg.gate_rate)
+        error = math.sqrt(max(0.0, b.square - b.earned**2) / remembered)
+        return b.earned + error < -cfg.gate_margin
 
     def open(self, confidence: float) -> bool:
         cfg = self.cfg
@@ -263,13 +274,19 @@ class DraftGate:
             return True
         return False
 
-    def observe(self, confidence: float, earned: float, spent: float) -> None:
-        """One drafting step: ``earned`` steps of the root alone (negative: lost), ``spent``
-        steps drafting."""
+    def observe(self, confidence: float, verified: float, spent: float, after_gap: bool = False) -> None:
+        """One drafting step: ``verified`` steps of the root alone its verify earned (accepted
+        tokens less the nodes' share of the forward), ``spent`` steps drafting. ``after_gap``: the
+        steps before it did not draft, so a drafter that keeps state caught up on all of them at
+        once; that one-off is not what drafting costs, so the bucket's usual spending stands in."""
         b = self.buckets.setdefault(confidence_bucket(confidence), _GateBucket())
+        if after_gap and b.seen:
+            spent = b.spent
         b.seen += 1
         weight = max(1.0 / b.seen, self.cfg.gate_rate)
+        earned = verified - spent
         b.earned += (earned - b.earned) * weight
+        b.square += (earned**2 - b.square) * weight
         b.spent += (spent - b.spent) * weight
         if b.interval:  # a probe: the next one comes later if this one did not reopen the bucket
             b.interval = min(2 * b.interval, self.cfg.gate_probe_max) if self._closed(b) else 0

@@ -76,26 +76,35 @@ def test_gate_closes_where_drafting_lost_time_and_probes_to_reopen() -> None:
     gate = DraftGate(PlannerConfig(gate_warmup=4, gate_probe=5, gate_rate=0.5))
     for _ in range(4):  # warm-up: always drafts, whatever it cost
         assert gate.open(0.5)
-        gate.observe(0.5, -0.2, 0.3)  # spent 0.3 of a step drafting, lost 0.2
+        gate.observe(0.5, 0.1, 0.3)  # spent 0.3 of a step drafting, the verify earned 0.1
     assert [gate.open(0.5) for _ in range(10)] == [False] * 4 + [True] + [False] * 4 + [True]
-    gate.observe(0.5, -0.2, 0.3)  # a probe that did not pay: the next one waits twice as long
+    gate.observe(0.5, 0.1, 0.3)  # a probe that did not pay: the next one waits twice as long
     assert [gate.open(0.5) for _ in range(10)] == [False] * 9 + [True]
     assert gate.open(0.995)  # another confidence bucket keeps its own record
     for _ in range(3):  # probes that earned time bring the mean above the margin: open again
-        gate.observe(0.5, 1.0, 0.3)
+        gate.observe(0.5, 1.3, 0.3)
     assert all(gate.open(0.5) for _ in range(6))
+
+
+def test_gate_prices_a_catch_up_after_a_gap_at_the_usual_spending() -> None:
+    gate = DraftGate(PlannerConfig(gate_warmup=2))
+    for _ in range(2):
+        gate.observe(0.5, 0.5, 0.2)  # earned 0.3 a step
+    gate.observe(0.5, 0.5, 3.0, after_gap=True)  # caught up on many skipped steps at once
+    assert gate.open(0.5)
+    assert gate.buckets[0.6].spent == pytest.approx(0.2)
 
 
 def test_gate_off_always_drafts() -> None:
     gate = DraftGate(PlannerConfig(gate=False, gate_warmup=1))
-    gate.observe(0.5, -1.0, 1.0)
+    gate.observe(0.5, 0.0, 1.0)
     assert gate.open(0.5)
 
 
 def test_gate_stays_open_for_drafters_that_cost_next_to_nothing() -> None:
     gate = DraftGate(PlannerConfig(gate_warmup=1, gate_margin=0.05))
     for _ in range(20):
-        gate.observe(0.5, -0.2, 0.01)  # 1 % of a step looking, the rest a verify that failed
+        gate.observe(0.5, -0.2, 0.01)  # 1 % of a step looking, then a verify that failed
     assert all(gate.open(0.5) for _ in range(10))
 
 
