@@ -29,7 +29,7 @@ from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.planner import CostCurve
 
-MODES = ["glide", "glide:vanilla=1", "glide+cape"]
+MODES = ["glide", "glide:vanilla=1", "glide+cape", "glide:window=8"]
 
 
 @pytest.fixture(scope="module")

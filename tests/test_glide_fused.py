@@ -91,3 +91,40 @@ def test_chain_stops_where_another_token_would_not_pay() -> None:
     assert chain(None) == 6  # nothing measured yet: the chain runs to its depth
     assert chain(0.0) == 6  # free draft forwards: every token pays
     assert chain(2e9) == 1  # a draft forward dearer than a step: the first token only (no forward)
+
+
+def test_a_window_drafts_as_the_network_over_its_last_tokens_only() -> None:
+    """``window=W``: a fresh request's draft attends to its own last W positions (at their true
+    positions) and reads the target's whole cache: the torch network given only those W tokens,
+    at the same positions, with the same cache, computes the same logits."""
+    model = tiny_model("llama", vocab=96)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    torch.manual_seed(2)
+    net = GlideNet(glide_config_for(model, 64))
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() == 2:
+                p.copy_(quant.round_to_eight_bit(p * 4))
+    drafter = GlideDrafter(target, net, torch.arange(64), 8, 0.05, None, window=8)
+    fast = drafter.fast
+    assert fast is not None
+    state = target.start()
+    tokens = np.random.default_rng(3).integers(1, 90, size=31)
+    target.forward(state, torch.tensor(tokens[:30]), None, drafter.needs)
+    target.commit(state, range(30))
+    ctx = DraftContext(tokens, 8, kv_buffers=lambda layer: target.kv_buffers(state, layer))
+    windowed = _State([], None)
+    with torch.inference_mode():
+        a = drafter._forward(tokens.tolist(), 0, 30, windowed, ctx)
+        assert windowed.fused is not None
+        assert (windowed.fused.offset, windowed.fused.length) == (23, 8)
+        b = drafter._forward([7], 31, 30, windowed, ctx)  # the chain continues after the window
+        # the same rows in one forward, from a KV that starts at position 23
+        reference = fast.new_kv()
+        reference.offset = 23
+        buffers = target.kv_buffers(state, net.cfg.target_layer)
+        assert buffers is not None
+        x = drafter.embed(torch.tensor([*tokens[23:].tolist(), 7])).float()
+        expected = fast.forward(x, reference, buffers, torch.arange(23, 32).clamp(max=30))
+    torch.testing.assert_close(b, expected, rtol=1e-5, atol=1e-5)
+    assert a.shape == b.shape

@@ -53,6 +53,7 @@ from llm_worker.types import ArtifactNeeds, DraftTree, causal_mask
 CAPE_BOUNDS = (0.3, 0.6, 0.8, 1.0)
 DEFAULT_CAPE = (7, 5, 3, 1)
 FEATURE_BOUNDS = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_WINDOW = 64
 
 
 def cape_siblings(confidence: float, table: tuple[int, ...]) -> int:
@@ -94,12 +95,14 @@ class GlideDrafter(Drafter):
         depth: int,
         min_reach: float,
         cape: tuple[int, ...] | None,
+        window: int = 0,
     ) -> None:
         self.target = target
         self.net = net.eval()
         self.cfg: GlideConfig = net.cfg
         self.d2t = d2t  # [V] target id of each draft id
         self.depth, self.min_reach, self.cape = depth, min_reach, cape
+        self.window = window  # 0: the draft's own attention covers the whole context
         self.embed = target.model.get_input_embeddings()
         self.cos, self.sin = rope_tables(target.model, target.info.max_context)
         self.needs = ArtifactNeeds(kv_layers=frozenset({self.cfg.target_layer}))
@@ -127,7 +130,13 @@ class GlideDrafter(Drafter):
         if self.fast is not None and buffers is not None and buffers.keys.dtype == torch.float32:
             if state.fused is None:
                 state.fused = self.fast.new_kv()
-            assert state.fused.length == start
+            if state.fused.length == 0 and self.window and n > self.window:
+                # a fresh request: the draft's own attention starts a window before the root (the
+                # target's cache, which the cross-attention reads whole, holds the rest)
+                state.fused.offset = start + n - self.window
+                tokens, n = tokens[-self.window :], self.window
+                positions = positions[-self.window :]
+            assert state.fused.offset + state.fused.length == int(positions[0])
             x = self.embed(torch.tensor(tokens)).float()  # [n, hidden]
             if not self.cfg.cross_attention:
                 return self.fast.forward(x, state.fused, None, None)
@@ -161,7 +170,9 @@ class GlideDrafter(Drafter):
     def _truncate(self, state: _State, length: int) -> None:
         state.tokens = state.tokens[:length]
         if state.fused is not None:
-            state.fused.length = min(state.fused.length, length)
+            if length < state.fused.offset:  # before the window: start afresh
+                state.fused.offset, state.fused.length = 0, 0
+            state.fused.length = min(state.fused.length, length - state.fused.offset)
         if state.kv is not None:
             state.kv = [(k[:, :, :length], v[:, :, :length]) for k, v in state.kv]
             if length == 0:
@@ -258,13 +269,14 @@ def _make(target: TargetModel, options: dict[str, str], resources: DraftResource
     min_reach = float_option(options, "min_reach", 0.05)
     assert min_reach is not None
     table = parse_cape(options.get("cape")) if cape else None
-    return GlideDrafter(target, net, d2t, depth, min_reach, table)
+    window = int_option(options, "window", DEFAULT_WINDOW, 0, 1 << 20)
+    return GlideDrafter(target, net, d2t, depth, min_reach, table, window)
 
 
 @DRAFTERS.register(
     "glide",
     "a learned draft network reading the target's KV cache (GLIDE)",
-    ("vanilla", "depth", "min_reach"),
+    ("vanilla", "depth", "min_reach", "window"),
 )
 def _make_glide(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     return _make(target, options, resources, cape=False)
@@ -273,7 +285,7 @@ def _make_glide(target: TargetModel, options: dict[str, str], resources: DraftRe
 @DRAFTERS.register(
     "glide+cape",
     "GLIDE with confidence-aware sibling candidates (CAPE), verified as a tree",
-    ("vanilla", "depth", "min_reach", "cape"),
+    ("vanilla", "depth", "min_reach", "cape", "window"),
 )
 def _make_glide_cape(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     return _make(target, options, resources, cape=True)

@@ -61,6 +61,7 @@ class DraftKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     length: int = 0
+    offset: int = 0  # the sequence position of entry 0 (a window that starts after the prompt's start)
 
 
 class FusedGlide:
@@ -132,7 +133,7 @@ class FusedGlide:
         n, past = x.shape[0], kv.length
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self._reserve(kv, past + n)
-        positions = torch.arange(past, past + n)
+        positions = torch.arange(kv.offset + past, kv.offset + past + n)
         rows = torch.arange(n)
         self_slot, self_start = torch.zeros(n, dtype=torch.long), torch.full((n,), past, dtype=torch.long)
         causal = causal_mask(n)
