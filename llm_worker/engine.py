@@ -356,7 +356,7 @@ class Engine:
             remaining = req.max_new_tokens - len(out.generated)
             budget = planner.step_budget(remaining, req.draft_budget) if planner is not None else NO_BUDGET
             drafting = planner is not None and budget.tree_nodes > 0
-            if planner is not None and drafting:
+            if planner is not None and drafting and drafter.gated:
                 with rt.lock:
                     drafting = planner.gate.open(confidence)
                 stats.gated_steps += int(not drafting)
@@ -400,7 +400,7 @@ class Engine:
             stats.observe_step(len(draft), step.result.num_accepted, len(emitted), t1 - t0, t2 - t1)
             if len(step.decided):
                 stats.observe_depths(max(step.decided.depths()), step.result.num_accepted)
-            if drafting and planner is not None and price is not None:
+            if drafting and drafter.gated and planner is not None and price is not None:
                 # what drafting earned: each accepted token saved a plain step
                 saved = step.result.num_accepted * (plain_step or price(0))
                 verified = (saved - (price(len(draft)) - price(0))) / price(0)

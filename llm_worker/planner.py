@@ -239,9 +239,10 @@ class DraftGate:
     keyed by the target's confidence in the root (``confidence_bucket``), as running means that
     turn into exponential ones (weight ``gate_rate``). A bucket closes where drafting lost more
     than ``gate_margin`` of a step beyond doubt (``_closed``) and spent more than that before
-    verifying: a drafter that
-    costs next to nothing (``pld`` looks a context up in under 2 % of a step) is left to the
-    acceptance model, so its bursts of long copies are never missed. A closed bucket still
+    verifying. Only drafters marked ``gated`` (learned networks) are asked about: a copy
+    drafter costs next to nothing (``pld`` looks a context up in under 2 % of a step on the
+    default model; a larger share of a tiny model's step) and is left to the acceptance model,
+    so its bursts of long copies are never missed. A closed bucket still
     drafts every ``gate_probe``-th step, the interval doubling (to ``gate_probe_max``) after each
     probe that did not reopen it, so that it can prove otherwise when the text changes; the first
     ``gate_warmup`` steps of a bucket always draft. Output never depends on the gate: a step

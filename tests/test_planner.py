@@ -17,6 +17,8 @@ from llm_worker.types import DraftTree, Outcome, VerifyResult
 class CostlyWrong(Drafter):
     """Spends 2 ms on every draft and is never right (a token the target never chose)."""
 
+    gated = True
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         time.sleep(0.002)
         return DraftTree.chain([(int(ctx.tokens[-1]) + 1) % 7], features=["w"])

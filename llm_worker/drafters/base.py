@@ -107,6 +107,10 @@ class Drafter(ABC):
     name: str = ""
     needs: ArtifactNeeds = ArtifactNeeds()
     proposes: bool = True  # False only for ``ar``: the engine then skips planning altogether
+    gated: bool = False
+    """Whether the draft gate (``llm_worker.planner.DraftGate``) may skip this drafter's steps:
+    drafters that spend real work before the planner sees their draft (a learned network's
+    forwards). Copy drafters are left to the acceptance model."""
 
     @abstractmethod
     def propose(self, ctx: DraftContext) -> Draft:

@@ -87,6 +87,8 @@ class _State:
 
 
 class GlideDrafter(Drafter):
+    gated = True  # a catch-up forward and a forward per chain token before the planner decides
+
     def __init__(
         self,
         target: TargetModel,
