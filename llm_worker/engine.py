@@ -360,7 +360,7 @@ class Engine:
                 with rt.lock:
                     drafting = planner.gate.open(confidence)
                 stats.gated_steps += int(not drafting)
-            price = _pricer(planner, session, out.length) if planner is not None else None
+            price = _pricer(planner, session, out.length) if planner is not None and drafting else None
             if planner is not None and drafting:
                 ctx = DraftContext(
                     out.context(),
@@ -400,13 +400,13 @@ class Engine:
             stats.observe_step(len(draft), step.result.num_accepted, len(emitted), t1 - t0, t2 - t1)
             if len(step.decided):
                 stats.observe_depths(max(step.decided.depths()), step.result.num_accepted)
-            if drafting and drafter.gated and planner is not None and price is not None:
+            if drafter.gated and planner is not None and price is not None:  # this step drafted
                 # what drafting earned: each accepted token saved a plain step
                 saved = step.result.num_accepted * (plain_step or price(0))
                 verified = (saved - (price(len(draft)) - price(0))) / price(0)
                 with rt.lock:
                     planner.gate.observe(step_confidence, verified, (t1 - t0) / price(0), gap)
-            elif not len(draft):  # a plain step: what one costs this request, all told
+            elif drafter.gated and not len(draft):  # a plain step: what one costs this request, all told
                 seconds = time.perf_counter() - t0
                 plain_step = seconds if plain_step is None else 0.9 * plain_step + 0.1 * seconds
             gap = not drafting

@@ -94,9 +94,9 @@ def test_chain_stops_where_another_token_would_not_pay() -> None:
 
 
 def test_a_window_drafts_as_the_network_over_its_last_tokens_only() -> None:
-    """``window=W``: a fresh request's draft attends to its own last W positions (at their true
-    positions) and reads the target's whole cache: the torch network given only those W tokens,
-    at the same positions, with the same cache, computes the same logits."""
+    """``window=W``: a fresh request's draft keeps only its last W positions (at their true
+    positions) and reads the target's whole cache: a chain token drafted after that window gives
+    the logits of one forward over the window and the token from a KV that starts at the window."""
     model = tiny_model("llama", vocab=96)
     target = wrap_model(model, None, ModelConfig(backend="fast"))
     torch.manual_seed(2)
