@@ -101,10 +101,11 @@ chaos: setup test-deps
 
 # The shipped GLIDE drafters of the default model (README "Learned drafters"): prompts, the target's
 # answers and features under the cache (resumable), then the network and its ablation without
-# cross-attention. Here (2-core Xeon): about 75 min of data and features, then TRAIN_MINUTES of
-# training each. The shipped pair was trained side by side, one thread each, from data whose
-# prompts were written with --generate-batch 48 (the run was restarted with 96 for the answers):
-# this target makes data of the same recipe, not the same bytes.
+# cross-attention, then CAPE's table of each from the held-out split (specdraft train cape). Here
+# (2-core Xeon): about 75 min of data and features, then TRAIN_MINUTES of training each. The
+# shipped pair was trained side by side, one thread each, from data whose prompts were written
+# with --generate-batch 48 (the run was restarted with 96 for the answers): this target makes data
+# of the same recipe, not the same bytes.
 GLIDE_DIR ?= llm_worker/data/drafters/de7dc0073f16aefd
 TRAIN_ARGS ?= --instructions 2000 --local-tasks 700 --generate-batch 96 --steps 700 --threads 1
 TRAIN_MINUTES ?= 26
@@ -112,6 +113,8 @@ train-glide: setup
 	$(VENV)/bin/specdraft train glide $(TRAIN_ARGS) --max-minutes $(TRAIN_MINUTES) --out $(GLIDE_DIR)/glide
 	$(VENV)/bin/specdraft train glide $(TRAIN_ARGS) --max-minutes $(TRAIN_MINUTES) --vanilla \
 	  --out $(GLIDE_DIR)/glide-vanilla
+	$(VENV)/bin/specdraft train cape --checkpoint $(GLIDE_DIR)/glide
+	$(VENV)/bin/specdraft train cape --checkpoint $(GLIDE_DIR)/glide-vanilla
 
 calibrate: setup
 	$(VENV)/bin/specdraft calibrate-heads --ship

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,14 +21,19 @@ from helpers.models import (
     tiny_model,
 )
 from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution, sample_counts
+from llm_worker.assembly import load_model
 from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError, UnknownModeError
+from llm_worker.drafters.base import DraftContext
 from llm_worker.drafters.checkpoint import CheckpointMismatchError, load_checkpoint
-from llm_worker.drafters.glide import cape_siblings, parse_cape
+from llm_worker.drafters.glide import GlideDrafter, cape_siblings, parse_cape
 from llm_worker.drafters.glide_net import GlideConfig, GlideNet, block_limit, cross_allowed
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
+from llm_worker.model.target import TargetModel
 from llm_worker.planner import CostCurve
+from llm_worker.training.cape import CapeStats, derive_table
+from llm_worker.types import ArtifactNeeds
 
 MODES = ["glide", "glide:vanilla=1", "glide+cape", "glide:window=8"]
 
@@ -149,6 +155,58 @@ def test_cape_table() -> None:
     assert parse_cape(None) == (7, 5, 3, 1) and parse_cape("4/3/2/0") == (4, 3, 2, 0)
 
 
+def _root_context(target: TargetModel, prompt: list[int], budget: int) -> DraftContext:
+    """A fresh request at its first decoding step: the target's cache holds all but the root."""
+    state = target.start()
+    target.forward(state, torch.tensor(prompt[:-1]), None, ArtifactNeeds(), last_logits_only=True)
+    target.commit(state, range(len(prompt) - 1))
+    return DraftContext(
+        np.asarray(prompt, dtype=np.int64),
+        budget,
+        kv=lambda layer: target.kv(state, layer),
+        kv_buffers=lambda layer: target.kv_buffers(state, layer),
+    )
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_depth_ranks_see_what_the_chain_and_its_siblings_draft(
+    tiny_glide: tuple[object, Path], backend: str
+) -> None:
+    """Teacher-forced along the draft's own greedy chain, every depth ranks the token first with
+    the chain's confidence; CAPE's siblings at depth 1 are ranks 2 and 3."""
+    model, directory = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend=backend))
+    resources = DraftResources(drafters_dir=directory)
+    chain = DRAFTERS.create("glide:depth=4:min_reach=0", target, resources)
+    cape = DRAFTERS.create("glide+cape:depth=1:cape=2/2/2/2", target, resources)
+    assert isinstance(chain, GlideDrafter) and isinstance(cape, GlideDrafter)
+    for prompt in prompts(target.info.vocab_size)[:3]:
+        drafted = chain.propose(_root_context(target, prompt, 4))
+        assert drafted.parents == (-1, 0, 1, 2)
+        ranks = chain.depth_ranks(_root_context(target, prompt, 4), drafted.tokens)
+        assert [rank for _, rank in ranks] == [1, 1, 1, 1]
+        assert all(0 < top <= 1 for top, _ in ranks)
+        first, second, third = cape.propose(_root_context(target, prompt, 3)).tokens
+        for token, rank in ((first, 1), (second, 2), (third, 3)):
+            assert chain.depth_ranks(_root_context(target, prompt, 1), [token])[0][1] == rank
+
+
+def test_cape_table_is_derived_from_hit_rates() -> None:
+    stats = CapeStats(ranks=6)
+    for confidence, ranks in (
+        (0.2, [1] * 50 + [2] * 20 + [3] * 20 + [4] * 1 + [0] * 9),
+        (0.9, [1] * 98 + [2] * 2),
+    ):
+        for rank in ranks:
+            stats.add(1, confidence, rank)
+    # band (0, .3]: ranks 2 and 3 right 20 % of the time each, rank 4 1 %; band (.8, 1]: rank 2 2 %
+    assert derive_table(stats, min_hit=0.05, min_positions=100) == (2, 5, 3, 0)  # bands 2, 3: the paper's
+    assert derive_table(stats, min_hit=0.01, min_positions=100) == (3, 5, 3, 1)
+    report = stats.to_json()
+    assert report["positions"] == 200 and report["bands"][0]["hit_rate_by_rank"][:3] == [0.5, 0.2, 0.2]
+    assert report["top1_accuracy_by_depth"] == {"1": 0.74}
+
+
 def test_block_mask_makes_the_cache_stale_like_a_chain() -> None:
     positions = torch.arange(12)[None]
     assert block_limit(positions, 5)[0].tolist() == [0, 0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10]
@@ -194,6 +252,28 @@ def test_train_command_end_to_end_resumes_and_serves(
     gen = ["generate", "--model", str(tiny_dir), "--mode", "glide", "--drafters-dir", str(out.parent)]
     assert main([*gen, "--max-new-tokens", "8", "--json", "hello"]) == 0
     assert json.loads(capsys.readouterr().out)["mode"] == "glide"
+    # CAPE's table from the held-out split train glide wrote, into the checkpoint's JSON
+    cape = [
+        "train",
+        "cape",
+        "--model",
+        str(tiny_dir),
+        "--work",
+        str(tmp_path / "work"),
+        "--checkpoint",
+        str(out),
+    ]
+    assert main([*cape, "--max-new-tokens", "6", "--min-hit", "0.05", "--quiet"]) == 0
+    derived = json.loads(capsys.readouterr().out)
+    assert derived["turns"] == len(heldout) and derived["positions"] > 0
+    meta = json.loads(out.with_suffix(".json").read_text())["meta"]
+    assert meta["cape"]["table"] == derived["table"] and meta["cape"]["command"].startswith(
+        "specdraft train cape"
+    )
+    load_checkpoint(out)  # the weights' checksum still holds
+    target, _ = load_model(ModelConfig(path=str(tiny_dir), backend="fast"))
+    drafter = DRAFTERS.create("glide+cape", target, DraftResources(drafters_dir=out.parent))
+    assert isinstance(drafter, GlideDrafter) and drafter.cape == tuple(derived["table"])
 
 
 def test_acceptance_by_depth() -> None:

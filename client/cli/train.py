@@ -59,6 +59,31 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.set_defaults(func=cmd_train_glide)
 
+    c = tsub.add_parser(
+        "cape",
+        help="CAPE's sibling table for a trained GLIDE checkpoint, from held-out acceptance",
+        description="Answer held-out prompts with the target (greedy), replay the answers through "
+        "the drafter and count how often the target's token was the draft's rank-r candidate, per "
+        "band of the draft's top-1 probability; each band gets the ranks 2, 3, ... in a row right at "
+        "least --min-hit of the time. Written into the checkpoint's JSON (meta.cape), which "
+        "glide+cape then uses by default.",
+    )
+    add_model_args(c)
+    c.add_argument("--checkpoint", required=True, help="the GLIDE checkpoint (stem or .json) to annotate")
+    c.add_argument(
+        "--questions",
+        help="held-out questions, JSONL as `specdraft bench --questions` (default: the held-out split "
+        "`specdraft train glide` wrote to WORK/heldout-questions.jsonl)",
+    )
+    c.add_argument("--work", help="train glide's work directory (default: the cache, per model)")
+    c.add_argument("--limit", type=positive_int, default=None, help="use only the first N questions")
+    c.add_argument("--max-new-tokens", type=positive_int, default=128, help="answer tokens per question")
+    c.add_argument("--depth", type=positive_int, default=5, help="chain depth replayed from each position")
+    c.add_argument("--min-hit", type=float, default=0.02, help="hit rate a sibling's rank must reach")
+    c.add_argument("--dry-run", action="store_true", help="print the table; leave the checkpoint alone")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_train_cape)
+
 
 def _bar(total: int | None, desc: str, quiet: bool) -> Any:
     from tqdm import tqdm
@@ -239,4 +264,63 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
     report["checkpoint"] = str(path)
     report["seconds"] = round(time.perf_counter() - began, 1)
     print_json(report, indent=2)
+    return 0
+
+
+def cmd_train_cape(args: argparse.Namespace) -> int:
+    from client.bench.suite import load_questions
+    from llm_worker.assembly import AssemblyError, load_model
+    from llm_worker.chat import chat_prompt_ids
+    from llm_worker.drafters.base import ModeUnavailableError
+    from llm_worker.drafters.checkpoint import CheckpointError, record_meta
+    from llm_worker.drafters.glide import GlideDrafter, load_glide
+    from llm_worker.engine import Engine
+    from llm_worker.training.cape import collect_stats, derive_table
+    from specdraft.common import cache_root
+
+    if not 0.0 < args.min_hit < 1.0:
+        raise CliError("--min-hit must be in (0, 1)")
+    checkpoint = Path(args.checkpoint)
+    checkpoint = checkpoint if checkpoint.suffix == ".json" else checkpoint.with_suffix(".json")
+    if not checkpoint.is_file():
+        raise CliError(f"no checkpoint at {checkpoint}")
+    try:
+        target, tokenizer = load_model(model_config(args))
+    except AssemblyError as exc:
+        raise CliError(str(exc)) from None
+    weights_id = target.info.weights_id or target.info.fingerprint
+    work = Path(args.work) if args.work else cache_root() / "train" / weights_id
+    questions_path = Path(args.questions) if args.questions else work / "heldout-questions.jsonl"
+    if not questions_path.is_file():
+        raise CliError(f"no held-out questions at {questions_path}: pass --questions FILE")
+    try:
+        questions = load_questions(questions_path)[: args.limit]
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    if not questions:
+        raise CliError(f"{questions_path}: no questions")
+    try:
+        net, d2t, _ = load_glide(target, checkpoint.stem, checkpoint.parent)
+    except (CheckpointError, ModeUnavailableError) as exc:
+        raise CliError(str(exc)) from None
+    drafter = GlideDrafter(target, net, d2t, depth=args.depth, min_reach=0.0, cape=None)
+    engine = Engine(target)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+    began = time.perf_counter()
+    with _bar(len(prompts) * args.max_new_tokens, "replay", args.quiet) as bar:
+        stats = collect_stats(engine, drafter, prompts, args.max_new_tokens, args.depth, bar.update)
+    table = derive_table(stats, args.min_hit)
+    command = "specdraft " + shlex.join(getattr(args, "argv", None) or sys.argv[1:])
+    record = {
+        "table": list(table),
+        "min_hit": args.min_hit,
+        "questions": str(questions_path),
+        "command": command,
+        **stats.to_json(),
+    }
+    if not args.dry_run:
+        record_meta(checkpoint, "cape", record)
+    print_json(
+        {**record, "checkpoint": str(checkpoint), "seconds": round(time.perf_counter() - began, 1)}, indent=2
+    )
     return 0

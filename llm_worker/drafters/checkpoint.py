@@ -112,6 +112,18 @@ def load_checkpoint(
     )
 
 
+def record_meta(path: str | Path, key: str, value: Any) -> Path:
+    """Set ``meta[key]`` in a checkpoint's JSON (e.g. its CAPE table, measured after training),
+    atomically; the weights are not touched, so their checksum still holds."""
+    path = Path(path)
+    json_path = path if path.suffix == ".json" else path.with_suffix(".json")
+    load_checkpoint(json_path)  # refuse to annotate what is not a readable checkpoint
+    record = json.loads(json_path.read_text(encoding="utf-8"))
+    record.setdefault("meta", {})[key] = value
+    atomic_write_text(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return json_path
+
+
 def shipped_dir(weights_id: str) -> Path:
     """Where the package keeps the checkpoints trained for a target."""
     return Path(str(resources.files("llm_worker") / "data" / "drafters" / weights_id))

@@ -17,7 +17,9 @@ winner — and the output stays exactly plain sampling's.
 
 CAPE (``glide+cape``): at each depth the next-best draft tokens join as siblings of the chain
 token — how many by the draft's top-1 confidence (``cape``: the extra siblings for confidence in
-(0, .3], (.3, .6], (.6, .8], (.8, 1]; default 7/5/3/1) — and the tree is verified in one forward.
+(0, .3], (.3, .6], (.6, .8], (.8, 1]; by default the checkpoint's table, derived from held-out
+acceptance by ``specdraft train cape`` (``llm_worker.training.cape``), else the paper's 7/5/3/1)
+— and the tree is verified in one forward.
 Verification matches every node against the target's token, so siblings need no special rule.
 
 Every node carries a feature (the draft's probability of it, bucketed) so the planner calibrates
@@ -27,8 +29,10 @@ acceptance by the draft's own confidence and keeps only the nodes that pay for t
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,9 +69,9 @@ def cape_siblings(confidence: float, table: tuple[int, ...]) -> int:
     return table[-1]
 
 
-def parse_cape(raw: str | None) -> tuple[int, ...]:
+def parse_cape(raw: str | None, default: tuple[int, ...] = DEFAULT_CAPE) -> tuple[int, ...]:
     if raw is None:
-        return DEFAULT_CAPE
+        return default
     try:
         table = tuple(int(x) for x in raw.split("/"))
     except ValueError:
@@ -109,6 +113,7 @@ class GlideDrafter(Drafter):
         self.cos, self.sin = rope_tables(target.model, target.info.max_context)
         self.needs = ArtifactNeeds(kv_layers=frozenset({self.cfg.target_layer}))
         self.token_seconds: float | None = None  # one chain token's draft forward, measured (EMA)
+        self._to_draft: dict[int, int] | None = None  # target id -> draft id (``depth_ranks``)
         # On the fast backend's fused kernels unless they are off (--no-fused) or do not fit.
         kernels = getattr(target, "fused", None)
         self.fast = None
@@ -180,12 +185,11 @@ class GlideDrafter(Drafter):
             if length == 0:
                 state.kv = None
 
-    def propose(self, ctx: DraftContext) -> DraftTree:
+    def _catch_up(self, ctx: DraftContext) -> tuple[_State, torch.Tensor]:
+        """The draft's KV extended over the committed tokens it has not seen (kept where they
+        still match); returns the request's draft state and the root row's draft logits [V]."""
         tokens = [int(t) for t in ctx.tokens]
-        total = len(tokens)
-        cached = total - 1  # the target's cache ends before the root
-        if cached < 1 or ctx.budget < 1:
-            return DraftTree.empty()
+        cached = len(tokens) - 1  # the target's cache ends before the root
         state = ctx.request_state.drafter
         if not isinstance(state, _State):
             state = ctx.request_state.drafter = _State([], None)
@@ -195,13 +199,48 @@ class GlideDrafter(Drafter):
                 break
             keep += 1
         self._truncate(state, keep)
+        logits = self._forward(tokens[keep:], keep, cached, state, ctx)
+        state.tokens = tokens
+        return state, logits
+
+    def depth_ranks(
+        self, ctx: DraftContext, truth: Sequence[int], ranks: int = 16
+    ) -> list[tuple[float, int]]:
+        """The chain teacher-forced along ``truth`` (the target's own next tokens after the root):
+        per depth, the draft's top-1 probability and the rank of the true token among the draft's
+        ``ranks`` most likely (1: its top-1; 0: not among them, or outside the draft vocabulary).
+        Each depth reads the true token before it, as on a path whose every node so far was
+        accepted: what CAPE's siblings would have hit (``llm_worker.training.cape``)."""
+        total = len(ctx.tokens)
+        if total < 2 or not truth:
+            return []
+        if self._to_draft is None:
+            self._to_draft = {int(t): d for d, t in enumerate(self.d2t.tolist())}
+        out: list[tuple[float, int]] = []
+        with torch.inference_mode():
+            state, logits = self._catch_up(ctx)
+            for depth, token in enumerate(truth, start=1):
+                probs = torch.softmax(logits.float(), dim=-1)
+                top = torch.topk(probs, min(ranks, probs.numel()))
+                ranked = top.indices.tolist()
+                want = self._to_draft.get(int(token))
+                out.append((float(top.values[0]), ranked.index(want) + 1 if want in ranked else 0))
+                if depth < len(truth):
+                    logits = self._forward([int(token)], total + depth - 1, total - 1, state, ctx)
+            self._truncate(state, total)
+        return out
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        total = len(ctx.tokens)
+        cached = total - 1  # the target's cache ends before the root
+        if cached < 1 or ctx.budget < 1:
+            return DraftTree.empty()
         sampled = not ctx.sampling.greedy
         nodes: list[int] = []
         parents: list[int] = []
         features: list[str] = []
         with torch.inference_mode():
-            logits = self._forward(tokens[keep:], keep, cached, state, ctx)
-            state.tokens = list(tokens)
+            state, logits = self._catch_up(ctx)
             parent, reach = -1, 1.0
             limit = min(self.depth, ctx.budget)
             for depth in range(1, limit + 1):
@@ -239,8 +278,22 @@ class GlideDrafter(Drafter):
         return DraftTree(tuple(nodes), tuple(parents), features=tuple(features))
 
 
-def load_glide(target: TargetModel, name: str, directory: Path | None) -> tuple[GlideNet, torch.Tensor]:
-    """The checkpoint ``name`` for ``target`` (``--drafters-dir`` first, then the shipped one)."""
+def checkpoint_cape(meta: dict[str, Any]) -> tuple[int, ...] | None:
+    """The CAPE table a checkpoint carries (``specdraft train cape``: derived from held-out
+    acceptance), or None."""
+    raw = (meta.get("cape") or {}).get("table")
+    if not isinstance(raw, list) or len(raw) != len(CAPE_BOUNDS):
+        return None
+    if not all(isinstance(x, int) and 0 <= x <= 16 for x in raw):
+        return None
+    return tuple(raw)
+
+
+def load_glide(
+    target: TargetModel, name: str, directory: Path | None
+) -> tuple[GlideNet, torch.Tensor, dict[str, Any]]:
+    """The checkpoint ``name`` for ``target`` (``--drafters-dir`` first, then the shipped one):
+    the network, its draft vocabulary and the checkpoint's ``meta``."""
     weights_id = target.info.weights_id or target.info.fingerprint
     path = find_checkpoint(name, weights_id, directory)
     if path is None:
@@ -257,20 +310,20 @@ def load_glide(target: TargetModel, name: str, directory: Path | None) -> tuple[
     net.load_state_dict(ckpt.weights)
     if int(ckpt.d2t.max()) >= target.info.vocab_size or cfg.head_dim != target.info.head_dim:
         raise ModeUnavailableError(f"{path}: the drafter does not fit this model's vocabulary or heads")
-    return net, ckpt.d2t
+    return net, ckpt.d2t, ckpt.meta
 
 
 def _make(target: TargetModel, options: dict[str, str], resources: DraftResources, cape: bool) -> Drafter:
     vanilla = int_option(options, "vanilla", 0, 0, 1)
     if target.info.backend not in ("fast", "hf"):
         raise ModeUnavailableError("glide needs a backend that exposes its KV cache")
-    net, d2t = load_glide(target, "glide-vanilla" if vanilla else "glide", resources.drafters_dir)
+    net, d2t, meta = load_glide(target, "glide-vanilla" if vanilla else "glide", resources.drafters_dir)
     if target.info.num_layers <= net.cfg.target_layer:
         raise ModeUnavailableError("the drafter reads a layer this model does not have")
     depth = int_option(options, "depth", 8, 1, 64)
     min_reach = float_option(options, "min_reach", 0.05)
     assert min_reach is not None
-    table = parse_cape(options.get("cape")) if cape else None
+    table = parse_cape(options.get("cape"), checkpoint_cape(meta) or DEFAULT_CAPE) if cape else None
     window = int_option(options, "window", DEFAULT_WINDOW, 0, 1 << 20)
     return GlideDrafter(target, net, d2t, depth, min_reach, table, window)
 
