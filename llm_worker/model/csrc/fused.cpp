@@ -586,6 +586,117 @@ SPECDRAFT_AVX512 void attend16(const Job& job, const std::vector<int64_t>& pos, 
   }
 }
 
+// attend16 for every query head of one KV head and every row of one call (the rows share their
+// slot and committed prefix [0, start)): per row and head the same arithmetic in the same order
+// (each key's score its own; the max; the exponentials; the weighted value sums and their
+// denominator key by key in cache order), so each output is bit-identical to attend16's. What
+// changes is the order of the loops: the prefix is walked in blocks of keys, each block's keys
+// and values read once from memory for all the rows and heads (L1 after the first), instead of
+// once per row and head. A row's new keys (its visible ones among the call's) follow per row.
+struct GroupJob {
+  const float* q;  // [N, H, d] queries
+  const float* keys;  // [capacity, d] of the KV head
+  const float* values;  // [capacity, dv]
+  const int64_t* row;  // the rows' q / out rows
+  const bool* visible;  // [rows, width] each row's visible new keys
+  int64_t rows, heads, head0, group, start, width, d, dv;
+  float scale;
+};
+
+// One pair's running sums over keys [lo, hi): positions pos[0 ..] (nullptr: the keys themselves).
+SPECDRAFT_AVX512 inline void sum_values(
+    const GroupJob& g, const float* w, const int64_t* pos, int64_t lo, int64_t hi, float* acc, float& denom) {
+  __m512 a[16];
+  const int64_t blocks = g.d / 16;
+  for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
+  float den = denom;
+  for (int64_t p = lo; p < hi; ++p) {
+    const float wv = w[p];
+    den += wv;
+    const __m512 vw = _mm512_set1_ps(wv);
+    const float* v = g.values + (pos != nullptr ? pos[p - lo] : p) * g.dv;
+    for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(v + 16 * i), a[i]);
+  }
+  denom = den;
+  for (int64_t i = 0; i < blocks; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+
+template <typename T>
+SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
+  constexpr int64_t kBlock = 64;  // keys per block: 16 KB of keys, as much of values, stay in L1
+  const int64_t pairs = g.rows * g.group, d = g.d, start = g.start, blocks = d / 16;
+  const int64_t stride = (start + g.width + 15) / 16 * 16 + 16;
+  thread_local std::vector<float> w, acc, denom;
+  thread_local std::vector<int64_t> tail, tails;
+  w.resize(pairs * stride);
+  acc.resize(pairs * d);
+  denom.assign(pairs, 0.0f);
+  tail.resize(g.rows * std::max<int64_t>(g.width, 1));
+  tails.assign(g.rows, 0);
+  for (int64_t r = 0; r < g.rows; ++r)
+    for (int64_t i = 0; i < g.width; ++i)
+      if (g.visible[r * g.width + i]) tail[r * g.width + tails[r]++] = start + i;
+  auto query = [&](int64_t pr) { return g.q + (g.row[pr / g.group] * g.heads + g.head0 + pr % g.group) * d; };
+  const __m256 vscale = _mm256_set1_ps(g.scale);
+  // scores: the prefix a block at a time for every pair, then each row's own new keys
+  for (int64_t k0 = 0; k0 < start; k0 += kBlock) {
+    const int64_t k1 = std::min(start, k0 + kBlock);
+    for (int64_t pr = 0; pr < pairs; ++pr) {
+      const float* q = query(pr);
+      float* wp = w.data() + pr * stride;
+      for (int64_t b = k0; b < k1; b += 8) {
+        const float* kptr[8];
+        for (int t = 0; t < 8; ++t) kptr[t] = g.keys + std::min(b + t, start - 1) * d;
+        _mm256_storeu_ps(wp + b, _mm256_mul_ps(dot8_wide(q, kptr, d), vscale));
+      }
+    }
+  }
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    const int64_t r = pr / g.group, n = tails[r];
+    const int64_t* own = tail.data() + r * g.width;
+    const float* q = query(pr);
+    float* wp = w.data() + pr * stride + start;
+    for (int64_t b = 0; b < n; b += 8) {
+      const float* kptr[8];
+      for (int t = 0; t < 8; ++t) kptr[t] = g.keys + own[std::min(b + t, n - 1)] * d;
+      _mm256_storeu_ps(wp + b, _mm256_mul_ps(dot8_wide(q, kptr, d), vscale));
+    }
+  }
+  // w = exp(score - max) per pair
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    const int64_t count = start + tails[pr / g.group];
+    float* wp = w.data() + pr * stride;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < count; ++p) top = std::max(top, wp[p]);
+    const __m512 vtop = _mm512_set1_ps(top);
+    for (int64_t b = 0; b < count; b += 16) _mm512_storeu_ps(wp + b, exp16(_mm512_sub_ps(_mm512_loadu_ps(wp + b), vtop)));
+  }
+  // the weighted value sums, key by key in cache order: the prefix a block at a time, then the
+  // row's own new keys
+  std::fill(acc.begin(), acc.end(), 0.0f);
+  for (int64_t k0 = 0; k0 < start; k0 += kBlock)
+    for (int64_t pr = 0; pr < pairs; ++pr)
+      sum_values(g, w.data() + pr * stride, nullptr, k0, std::min(start, k0 + kBlock), acc.data() + pr * d, denom[pr]);
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    const int64_t r = pr / g.group;
+    sum_values(g, w.data() + pr * stride, tail.data() + r * g.width, start, start + tails[r], acc.data() + pr * d,
+        denom[pr]);
+  }
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    T* o = dst + (g.row[pr / g.group] * g.heads + g.head0 + pr % g.group) * d;
+    if (start + tails[pr / g.group] == 0) {  // no visible key (never in a forward: a row sees itself)
+      for (int64_t i = 0; i < d; i += 8) store8(o + i, _mm256_setzero_ps());
+      continue;
+    }
+    const __m512 vden = _mm512_set1_ps(denom[pr]);
+    for (int64_t i = 0; i < blocks; ++i) {
+      const __m512 r = _mm512_div_ps(_mm512_loadu_ps(acc.data() + pr * d + 16 * i), vden);
+      store8(o + 16 * i, _mm512_castps512_ps256(r));
+      store8(o + 16 * i + 8, _mm512_extractf32x8_ps(r, 1));
+    }
+  }
+}
+
 // Softmax attention of query rows over their visible cached keys. Row j (q row rows[j]) sees the
 // committed prefix [0, start[j]) of cache slot slot[j] and, among its call's new rows (cache
 // positions start[j] + i), those with visible[j][i]. Per query head: scores = q . k * scale over
@@ -614,6 +725,32 @@ void attention(
   const bool* vis = visible.data_ptr<bool>();
   const float fscale = static_cast<float>(scale);
   const bool wide = has_avx512() && d % 16 == 0;
+  if (wide) {  // rows of one call (consecutive, same slot and prefix) in chunks, per KV head
+    // Chunks of up to 8 rows, fewer when that leaves under four jobs a thread: sharing a key
+    // block between more rows saves less than a thread left idle costs.
+    const int64_t threads = on_pool ? shared_pool().threads() : at::get_num_threads();
+    const int64_t kChunk = std::clamp<int64_t>(m * kv / (4 * threads), 1, 8);
+    std::vector<std::pair<int64_t, int64_t>> chunks;  // [j0, j1)
+    for (int64_t j = 0; j < m;) {
+      int64_t e = j + 1;
+      while (e < m && e - j < kChunk && sl[e] == sl[j] && st[e] == st[j]) ++e;
+      chunks.emplace_back(j, e);
+      j = e;
+    }
+    auto run_grouped = [&](auto* dst) {
+      const int64_t n = static_cast<int64_t>(chunks.size()) * kv;
+      for_rows(n, 4 * longest * d * group * kChunk, [&](int64_t job) {
+        const auto [j0, j1] = chunks[job / kv];
+        const int64_t h = job % kv;
+        const int64_t base = (sl[j0] * kv + h) * capacity;
+        const GroupJob g{qp, kp + base * d, vp + base * dv, row + j0, vis + j0 * width, j1 - j0, heads, h * group,
+            group, st[j0], width, d, dv, fscale};
+        attend16_group(g, dst);
+      });
+    };
+    with_data(out, "out", run_grouped);
+    return;
+  }
   auto run = [&](auto* dst) {
     using T = std::remove_pointer_t<decltype(dst)>;
     for_rows(m * heads, 4 * longest * d, [&](int64_t job) {
