@@ -273,7 +273,7 @@ def cmd_train_cape(args: argparse.Namespace) -> int:
     from llm_worker.chat import chat_prompt_ids
     from llm_worker.drafters.base import ModeUnavailableError
     from llm_worker.drafters.checkpoint import CheckpointError, record_meta
-    from llm_worker.drafters.glide import GlideDrafter, load_glide
+    from llm_worker.drafters.glide import DEFAULT_WINDOW, GlideDrafter, load_glide
     from llm_worker.engine import Engine
     from llm_worker.training.cape import collect_stats, derive_table
     from specdraft.common import cache_root
@@ -303,7 +303,10 @@ def cmd_train_cape(args: argparse.Namespace) -> int:
         net, d2t, _ = load_glide(target, checkpoint.stem, checkpoint.parent)
     except (CheckpointError, ModeUnavailableError) as exc:
         raise CliError(str(exc)) from None
-    drafter = GlideDrafter(target, net, d2t, depth=args.depth, min_reach=0.0, cape=None)
+    # as ``glide`` drafts by default: its own attention from a window before a new request's root
+    drafter = GlideDrafter(
+        target, net, d2t, depth=args.depth, min_reach=0.0, cape=None, window=DEFAULT_WINDOW
+    )
     engine = Engine(target)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     began = time.perf_counter()
