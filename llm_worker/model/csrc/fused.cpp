@@ -546,53 +546,14 @@ SPECDRAFT_AVX512 inline __m256 dot8_wide(const float* q, const float* const* k, 
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// attend8 with 16-lane dot products, exponentials and value sums (d a multiple of 16).
-template <typename T>
-SPECDRAFT_AVX512 void attend16(const Job& job, const std::vector<int64_t>& pos, T* o) {
-  const int64_t count = static_cast<int64_t>(pos.size()), d = job.d;
-  if (count == 0) {
-    for (int64_t i = 0; i < d; i += 8) store8(o + i, _mm256_setzero_ps());
-    return;
-  }
-  thread_local std::vector<float> w;
-  w.resize((count + 15) / 16 * 16 + 16);
-  const __m256 vscale = _mm256_set1_ps(job.scale);
-  for (int64_t b = 0; b < count; b += 8) {
-    const float* kptr[8];
-    for (int t = 0; t < 8; ++t) kptr[t] = job.keys + pos[std::min(b + t, count - 1)] * d;
-    _mm256_storeu_ps(w.data() + b, _mm256_mul_ps(dot8_wide(job.q, kptr, d), vscale));
-  }
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t p = 0; p < count; ++p) top = std::max(top, w[p]);
-  const __m512 vtop = _mm512_set1_ps(top);
-  for (int64_t b = 0; b < count; b += 16)
-    _mm512_storeu_ps(w.data() + b, exp16(_mm512_sub_ps(_mm512_loadu_ps(w.data() + b), vtop)));
-  __m512 acc[16];
-  const int64_t blocks = d / 16;
-  for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm512_setzero_ps();
-  float denom = 0.0f;
-  for (int64_t p = 0; p < count; ++p) {
-    const float wp = w[p];
-    denom += wp;
-    const __m512 vw = _mm512_set1_ps(wp);
-    const float* v = job.values + pos[p] * job.dv;
-    for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(v + 16 * i), acc[i]);
-  }
-  const __m512 vden = _mm512_set1_ps(denom);
-  for (int64_t i = 0; i < blocks; ++i) {
-    const __m512 r = _mm512_div_ps(acc[i], vden);
-    store8(o + 16 * i, _mm512_castps512_ps256(r));
-    store8(o + 16 * i + 8, _mm512_extractf32x8_ps(r, 1));
-  }
-}
-
-// attend16 for every query head of one KV head and every row of one call (the rows share their
-// slot and committed prefix [0, start)): per row and head the same arithmetic in the same order
-// (each key's score its own; the max; the exponentials; the weighted value sums and their
-// denominator key by key in cache order), so each output is bit-identical to attend16's. What
-// changes is the order of the loops: the prefix is walked in blocks of keys, each block's keys
-// and values read once from memory for all the rows and heads (L1 after the first), instead of
-// once per row and head. A row's new keys (its visible ones among the call's) follow per row.
+// attend8 with 16-lane dot products, exponentials and value sums (d a multiple of 16), for every
+// query head of one KV head and every row of one call (the rows share their slot and committed
+// prefix [0, start)). Per row and head the arithmetic and its order are a single row's (each
+// key's score its own; the max; the exponentials; the weighted value sums and their denominator
+// key by key in cache order), so a row's output does not depend on the others. Only the loops'
+// order serves the group: the prefix is walked in blocks of keys, each block's keys and values
+// read once from memory for all the rows and heads (L1 after the first). A row's new keys (its
+// visible ones among the call's) follow per row.
 struct GroupJob {
   const float* q;  // [N, H, d] queries
   const float* keys;  // [capacity, d] of the KV head
@@ -724,8 +685,7 @@ void attention(
   const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   const bool* vis = visible.data_ptr<bool>();
   const float fscale = static_cast<float>(scale);
-  const bool wide = has_avx512() && d % 16 == 0;
-  if (wide) {  // rows of one call (consecutive, same slot and prefix) in chunks, per KV head
+  if (has_avx512() && d % 16 == 0) {  // rows of a call (consecutive, same slot, prefix) in chunks, per KV head
     // Chunks of up to 8 rows, fewer when that leaves under four jobs a thread: sharing a key
     // block between more rows saves less than a thread left idle costs.
     const int64_t threads = on_pool ? shared_pool().threads() : at::get_num_threads();
@@ -762,12 +722,7 @@ void attention(
       for (int64_t i = 0; i < width; ++i)
         if (vis[j * width + i]) pos.push_back(st[j] + i);
       const Job job_of_row{qp + (row[j] * heads + h) * d, kp + base * d, vp + base * dv, d, dv, fscale};
-      T* o = dst + row[j] * heads * d + h * d;
-      if (wide) {
-        attend16(job_of_row, pos, o);
-      } else {
-        attend8(job_of_row, pos, o);
-      }
+      attend8(job_of_row, pos, dst + row[j] * heads * d + h * d);
     });
   };
   with_data(out, "out", run);
