@@ -60,13 +60,28 @@ FEATURE_BOUNDS = (0.1, 0.3, 0.5, 0.7, 0.9)
 DEFAULT_WINDOW = 64
 
 
+MAX_SIBLINGS = 16  # the most extra siblings a CAPE table may give a depth
+
+
+def cape_band(confidence: float) -> int:
+    """The index of the CAPE band holding a top-1 draft probability: ``cape_band(0.5)`` → 1."""
+    for i, bound in enumerate(CAPE_BOUNDS):
+        if confidence <= bound:
+            return i
+    return len(CAPE_BOUNDS) - 1
+
+
 def cape_siblings(confidence: float, table: tuple[int, ...]) -> int:
     """Extra siblings at a depth whose top-1 draft probability is ``confidence``:
     ``cape_siblings(0.5, (7, 5, 3, 1))`` → 5."""
-    for bound, extra in zip(CAPE_BOUNDS, table, strict=True):
-        if confidence <= bound:
-            return extra
-    return table[-1]
+    return table[cape_band(confidence)]
+
+
+def valid_cape(table: Sequence[object]) -> bool:
+    """Whether ``table`` is a CAPE table: a count in [0, ``MAX_SIBLINGS``] per band."""
+    return len(table) == len(CAPE_BOUNDS) and all(
+        isinstance(x, int) and 0 <= x <= MAX_SIBLINGS for x in table
+    )
 
 
 def parse_cape(raw: str | None, default: tuple[int, ...] = DEFAULT_CAPE) -> tuple[int, ...]:
@@ -76,8 +91,8 @@ def parse_cape(raw: str | None, default: tuple[int, ...] = DEFAULT_CAPE) -> tupl
         table = tuple(int(x) for x in raw.split("/"))
     except ValueError:
         raise UnknownModeError(f"cape={raw!r}: four counts like 7/5/3/1") from None
-    if len(table) != len(CAPE_BOUNDS) or any(not 0 <= x <= 16 for x in table):
-        raise UnknownModeError(f"cape={raw!r}: four counts in [0, 16] like 7/5/3/1")
+    if not valid_cape(table):
+        raise UnknownModeError(f"cape={raw!r}: four counts in [0, {MAX_SIBLINGS}] like 7/5/3/1")
     return table
 
 
@@ -282,11 +297,7 @@ def checkpoint_cape(meta: dict[str, Any]) -> tuple[int, ...] | None:
     """The CAPE table a checkpoint carries (``specdraft train cape``: derived from held-out
     acceptance), or None."""
     raw = (meta.get("cape") or {}).get("table")
-    if not isinstance(raw, list) or len(raw) != len(CAPE_BOUNDS):
-        return None
-    if not all(isinstance(x, int) and 0 <= x <= 16 for x in raw):
-        return None
-    return tuple(raw)
+    return tuple(raw) if isinstance(raw, list) and valid_cape(raw) else None
 
 
 def load_glide(

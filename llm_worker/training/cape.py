@@ -24,19 +24,9 @@ import numpy as np
 import torch
 
 from llm_worker.drafters.base import DraftContext, RequestState
-from llm_worker.drafters.glide import CAPE_BOUNDS, DEFAULT_CAPE, GlideDrafter
+from llm_worker.drafters.glide import CAPE_BOUNDS, DEFAULT_CAPE, MAX_SIBLINGS, GlideDrafter, cape_band
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model.target import KVBuffers, SequenceState, TargetModel
-
-MAX_SIBLINGS = 16  # ``parse_cape``'s bound
-
-
-def band_of(confidence: float) -> int:
-    """The index of the CAPE band holding a top-1 probability (``cape_siblings``' bands)."""
-    for i, bound in enumerate(CAPE_BOUNDS):
-        if confidence <= bound:
-            return i
-    return len(CAPE_BOUNDS) - 1
 
 
 @dataclass
@@ -55,7 +45,7 @@ class CapeStats:
             self.bands = [[0] * (self.ranks + 1) for _ in CAPE_BOUNDS]
 
     def add(self, depth: int, confidence: float, rank: int) -> None:
-        self.bands[band_of(confidence)][rank] += 1
+        self.bands[cape_band(confidence)][rank] += 1
         entry = self.depths.setdefault(depth, [0, 0])
         entry[0] += rank == 1
         entry[1] += 1
