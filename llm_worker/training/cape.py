@@ -96,8 +96,15 @@ def derive_table(stats: CapeStats, min_hit: float = 0.02, min_positions: int = 1
 def _replay_context(
     target: TargetModel, state: SequenceState, request_state: RequestState, tokens: list[int], budget: int
 ) -> DraftContext:
+    """The draft context of the step whose root is ``tokens[-1]``, over a cache that already holds
+    the whole replayed sequence: the drafter sees positions before the root only, as at that step
+    (the KV views are cut there; the fused cross-attention reads keys below its rows' limits,
+    which never pass the root)."""
+    root = len(tokens) - 1
+
     def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return target.kv(state, layer)
+        keys, values = target.kv(state, layer)
+        return keys[:, :root], values[:, :root]
 
     def kv_buffers(layer: int) -> KVBuffers | None:
         return target.kv_buffers(state, layer)
@@ -117,9 +124,12 @@ def collect_stats(
 ) -> CapeStats:
     """The target answers each prompt greedily; every answer position is then the root of a
     teacher-forced chain of up to ``depth`` tokens, read off the target's own cache as it stood
-    at that step. ``progress``: called with the answer tokens replayed after each prompt."""
+    at that step. The cache is filled once per answer, in prefill chunks: the target's forward
+    is batch-invariant, so its K/V are those of the step-by-step decode. ``progress``: called
+    with the answer tokens replayed after each prompt."""
     target = engine.target
     needs = drafter.needs
+    chunk = max(1, engine.config.prefill_chunk)
     stats = CapeStats()
     for prompt in prompts:
         answer = engine.generate(GenerationRequest(tuple(prompt), max_new_tokens, "ar")).token_ids
@@ -128,17 +138,16 @@ def collect_stats(
         state = target.start()
         request_state = RequestState()
         with torch.inference_mode():
-            head = len(prompt) - 1
-            if head:
-                target.forward(state, torch.tensor(seq[:head]), None, needs, last_logits_only=True)
-                target.commit(state, range(head))
-            for root in range(head, len(seq) - 1):  # the cache holds seq[:root]
+            cached = seq[:-1]  # the last answer token is never a root with a next token
+            for lo in range(0, len(cached), chunk):
+                piece = torch.tensor(cached[lo : lo + chunk])
+                target.forward(state, piece, None, needs, last_logits_only=True)
+                target.commit(state, range(len(piece)))
+            for root in range(len(prompt) - 1, len(seq) - 1):  # the drafter sees seq[:root]
                 ctx = _replay_context(target, state, request_state, seq[: root + 1], depth)
                 truth = seq[root + 1 : root + 1 + depth]
                 for d, (confidence, rank) in enumerate(drafter.depth_ranks(ctx, truth, stats.ranks), 1):
                     stats.add(d, confidence, rank)
-                target.forward(state, torch.tensor(seq[root : root + 1]), None, needs, last_logits_only=True)
-                target.commit(state, [0])
         if progress is not None:
             progress(len(answer))
     return stats
