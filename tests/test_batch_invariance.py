@@ -145,12 +145,14 @@ def assert_same_row(batch, r: int, alone, label: object) -> None:
 
 @pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["auto", "onednn:4", "quant:1"])
+@pytest.mark.parametrize("kernel", ["auto", "onednn:4", "quant:1", "bf16:1"])
 def test_forward_rows_equal_tokens_decoded_alone(dtype: torch.dtype, kernel: str, fused: bool) -> None:
     if kernel.startswith("onednn") and not kernels.onednn_available(torch.device("cpu"), dtype):
         pytest.skip("oneDNN prepacking is not available here")
     if kernel.startswith("quant") and dtype != torch.float32:
         pytest.skip("the packed-block GEMM is float32 only")
+    if kernel.startswith("bf16") and not kernels.bf16_available(torch.device("cpu"), dtype):
+        pytest.skip("the bfloat16 GEMM runs on bfloat16 with AVX512-BF16 only")
     target = tiny_fast(dtype, kernel, fused)
     gen = torch.Generator().manual_seed(4)
     prefix = torch.randint(0, 96, (250,), generator=gen)  # drafts cross the 256-key chunk boundary

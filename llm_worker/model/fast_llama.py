@@ -333,7 +333,7 @@ class FastLlamaTarget(TargetModel):
         self.kernels = dict(gemm_kernels or dict.fromkeys(ROLES, Kernel("aten", 1)))  # role -> kernel
         self.min_rows = min(k.min_rows for k in self.kernels.values())  # the forward pads to this
         self.kernel_report = report
-        self.own_threads = all(k.library == "quant" for k in self.kernels.values())
+        self.own_threads = all(k.library in ("quant", "bf16") for k in self.kernels.values())
         """Whether the fused kernels share rows on their own pool (every GEMM is a packed one of
         theirs) or on torch's OpenMP threads (GEMMs on oneDNN/MKL, whose OpenMP workers would spin
         against the pool's)."""

@@ -49,10 +49,12 @@ from specdraft.common import atomic_write_text, cache_root, file_lock
 
 log = logging.getLogger(__name__)
 
-LIBRARIES = ("aten", "onednn", "quant")
+LIBRARIES = ("aten", "onednn", "quant", "bf16")
 """aten: ``F.linear`` (MKL on CPU, cuBLAS on CUDA); onednn: weights prepacked for oneDNN (CPU);
 quant: float32 weights that are exactly 4- or 8-bit blocks (the default model's GGUF Q4_1 / Q8_0),
-read packed and rebuilt exactly by the fused kernels (``quant``, ``native``; CPU, float32)."""
+read packed and rebuilt exactly by the fused kernels (``quant``, ``native``; CPU, float32);
+bf16: bfloat16 weights packed by input pairs for the fused kernels' AVX512-BF16 GEMM (CPU,
+bfloat16; row-invariant by construction, like ``quant``)."""
 PAD_ROWS = (1, 2, 4, 8, 16)
 BLOCK_ROWS = (64, 32, 16)
 """Largest blocks tried, largest first, for a role no unblocked candidate is invariant for."""
@@ -180,11 +182,32 @@ def quant_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and native.load() is not None
 
 
+def bf16_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the bfloat16 GEMM of the fused kernels runs here (a processor with AVX512-BF16)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    fused = native.load()
+    return fused is not None and bool(fused.bf16_dot())
+
+
 def candidates(device: torch.device, dtype: torch.dtype) -> list[Kernel]:
     libraries = ["aten"] + (["onednn"] if onednn_available(device, dtype) else [])
     padded = [Kernel(lib, rows) for lib in libraries for rows in PAD_ROWS]
     # invariant at every row count by construction: no padding, no blocks
-    return padded + ([Kernel("quant", 1)] if quant_available(device, dtype) else [])
+    own = [Kernel("quant", 1)] if quant_available(device, dtype) else []
+    return padded + own + ([Kernel("bf16", 1)] if bf16_available(device, dtype) else [])
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A [n, k] weight (k even) as ``bf16_linear`` reads it: panels of 16 outputs (the last
+    zero-padded) by pairs of inputs, [ceil(n / 16), k / 2, 16, 2] bfloat16."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"bf16: a weight with an odd number of inputs ({k}) cannot be packed by pairs")
+    panels = -(-n // 16)
+    padded = weight.new_zeros(panels * 16, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(panels, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def blocked(kernels: Sequence[Kernel]) -> list[Kernel]:
@@ -212,11 +235,20 @@ class Linear:
             self.blocks = quant.pack_exact(weight) if self.fused is not None else None
             if self.blocks is None:
                 raise RuntimeError("quant: the weight is not exact 4- or 8-bit blocks (or no fused kernels)")
+        self.pairs: torch.Tensor | None = None
+        if kernel.library == "bf16":
+            self.fused = native.load()
+            if self.fused is None or not self.fused.bf16_dot() or weight.dtype != torch.bfloat16:
+                raise RuntimeError("bf16: needs bfloat16 weights and the fused kernels with AVX512-BF16")
+            self.pairs = pack_bf16(weight)
+            self.bias = bias.float() if bias is not None else None
 
     def nbytes(self) -> int:
         """Bytes of weights one product reads."""
         if self.blocks is not None:
             return self.blocks.nbytes()
+        if self.pairs is not None:
+            return self.pairs.numel() * self.pairs.element_size()
         return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +261,8 @@ class Linear:
         if self.blocks is not None:
             b = self.blocks
             return self.fused.quant_linear(x.contiguous(), b.codes, b.scales, b.offsets, self.bias, b.n)
+        if self.pairs is not None:
+            return self.fused.bf16_linear(x.contiguous(), self.pairs, self.bias, self.weight.shape[0])
         n = x.shape[0]
         pad = self.kernel.min_rows - n
         if pad > 0:
@@ -461,10 +495,12 @@ def measured_chooser(fingerprint: str, device: torch.device, dtype: torch.dtype)
 
 
 def cache_path(fingerprint: str, dtype: str, device: str) -> Path:
+    own = "-bf16" if dtype == "bfloat16" and bf16_available(torch.device(device), torch.bfloat16) else ""
     key = (
         f"{fingerprint}-{dtype}-{device}-t{torch.get_num_threads()}-torch{torch.__version__}"
-        f"-cpu{machine_id(device)}-{native.build_name().removeprefix('specdraft_fused_')[:8]}"
-    )  # the fused kernels' build: a changed packed GEMM is timed again
+        f"-cpu{machine_id(device)}-{native.build_name().removeprefix('specdraft_fused_')[:8]}{own}"
+    )  # the fused kernels' build: a changed packed GEMM is timed again; SPECDRAFT_NATIVE_BF16=0
+    # (no bfloat16 GEMM of theirs) is another choice
     return cache_root() / "kernels" / (key.replace("/", "_").replace(":", "_") + ".json")
 
 

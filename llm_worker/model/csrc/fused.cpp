@@ -11,7 +11,7 @@
 // Tensors in float32 or bfloat16 (converted to float32 on load, rounded to nearest even on store,
 // as torch does); the KV cache, RoPE tables and attention run in float32. Sections: vector
 // helpers, the thread pool, residual add + RMSNorm, SiLU·up, RoPE + the cache write, attention,
-// the GEMM over exactly quantised weights.
+// the GEMM over exactly quantised weights, the GEMM over bfloat16 weights.
 
 #include <torch/extension.h>
 
@@ -1064,6 +1064,103 @@ torch::Tensor quant_linear(
   return y;
 }
 
+// ---- the GEMM over bfloat16 weights (AVX512-BF16) --------------------------------------------
+//
+// y = x W^T (+ bias) for bfloat16 x and W, float32 sums, rounded to bfloat16 once at the end (as
+// torch's bfloat16 linear). The weight is packed in panels of 16 outputs by pairs of inputs,
+// [P, K / 2, 16, 2] (``pack_bf16``): one 64-byte load holds input pair k of 16 outputs, and one
+// VDPBF16PS adds x[2k] w[2k] + x[2k + 1] w[2k + 1] into each output's float32 sum. Each output's
+// chain runs over k = 0 .. K / 2 - 1 in order, whatever the rows in flight, the panels beside it
+// or the thread: row-invariant by construction, like the packed-block GEMM. Small products read
+// the weights once for all rows (memory-bound); large ones keep 6 rows x 4 panels of sums in
+// registers, twice the multiply-adds a cycle of float32 FMAs.
+
+#define SPECDRAFT_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool has_bf16_dot() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bf16")
+      && !(std::getenv("SPECDRAFT_NATIVE_BF16") && std::string(std::getenv("SPECDRAFT_NATIVE_BF16")) == "0");
+  return yes;
+}
+
+// R rows x G panels (p0 ..): out[r, p * 16 + j] = bf16(sum_k x[r, k] w[p * 16 + j, k] + bias).
+template <int R, int G>
+SPECDRAFT_BF16 inline void bf16_panels(const uint16_t* x, int64_t K, const uint16_t* w, int64_t p0,
+    int64_t N, const float* bias, uint16_t* y) {
+  const int64_t pairs = K / 2;
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+  const uint16_t* wp[G];
+  for (int g = 0; g < G; ++g) wp[g] = w + (p0 + g) * pairs * 32;
+  __m512 acc[R * G];
+  for (int i = 0; i < R * G; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    __m512bh wk[G];
+    for (int g = 0; g < G; ++g) wk[g] = (__m512bh)_mm512_loadu_si512(wp[g] + k * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * pairs + k]);
+      for (int g = 0; g < G; ++g) acc[r * G + g] = _mm512_dpbf16_ps(acc[r * G + g], xb, wk[g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      const int64_t p = p0 + g, columns = std::min<int64_t>(16, N - p * 16);
+      __m512 v = acc[r * G + g];
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << columns) - 1), bias + p * 16));
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(v);
+      _mm256_mask_storeu_epi16(y + r * N + p * 16, static_cast<__mmask16>((1u << columns) - 1), out);
+    }
+}
+
+template <int G>
+SPECDRAFT_BF16 void bf16_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t p0,
+    int64_t N, const float* bias, uint16_t* y) {
+  for (int64_t m = 0; m < M; m += 6) {
+    const uint16_t* xm = x + m * K;
+    uint16_t* ym = y + m * N;
+    switch (std::min<int64_t>(6, M - m)) {
+      case 6: bf16_panels<6, G>(xm, K, w, p0, N, bias, ym); break;
+      case 5: bf16_panels<5, G>(xm, K, w, p0, N, bias, ym); break;
+      case 4: bf16_panels<4, G>(xm, K, w, p0, N, bias, ym); break;
+      case 3: bf16_panels<3, G>(xm, K, w, p0, N, bias, ym); break;
+      case 2: bf16_panels<2, G>(xm, K, w, p0, N, bias, ym); break;
+      default: bf16_panels<1, G>(xm, K, w, p0, N, bias, ym);
+    }
+  }
+}
+
+// x [M, K] bfloat16 @ the packed weight^T (+ float32 bias) -> [M, N] bfloat16.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+  check_cpu(x, "bf16_linear x");
+  check_cpu(packed, "bf16_linear weight");
+  TORCH_CHECK(has_bf16_dot(), "bf16_linear needs AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x [M, K] bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), P = (n + 15) / 16;
+  TORCH_CHECK(K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.numel() == P * K * 16,
+      "weight packed [P, K / 2, 16, 2] bfloat16 for x's K");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() >= n, "bias [N] float32");
+    b = bias->data_ptr<float>();
+  }
+  torch::Tensor y = torch::empty({M, n}, x.options());
+  if (M == 0) return y;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<BF16>());
+  const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr<BF16>());
+  auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<BF16>());
+  const int64_t group = 4, tasks = (P + group - 1) / group;
+  for_rows(tasks, M * K * 16 * group, [&](int64_t task) {
+    const int64_t p0 = task * group;
+    switch (std::min(P, p0 + group) - p0) {
+      case 4: bf16_rows<4>(xs, M, K, ws, p0, n, b, ys); break;
+      case 3: bf16_rows<3>(xs, M, K, ws, p0, n, b, ys); break;
+      case 2: bf16_rows<2>(xs, M, K, ws, p0, n, b, ys); break;
+      default: bf16_rows<1>(xs, M, K, ws, p0, n, b, ys);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1072,7 +1169,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "RoPE of queries and keys; keys and values into the cache");
   m.def("attention", &attention, "row-invariant softmax attention over visible cached keys");
   m.def("quant_linear", &quant_linear, "x @ W^T (+ bias) with W packed as exact 4- or 8-bit blocks");
+  m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias), bfloat16, W packed [P, K / 2, 16, 2] (AVX512-BF16)");
   m.def("wide", &has_avx512, "whether the AVX-512 variants run here");
+  m.def("bf16_dot", &has_bf16_dot, "whether the bfloat16 GEMM (AVX512-BF16) runs here");
   m.def("configure", &configure, "the number of threads the fused kernels share their rows between");
   m.def("use_pool", &use_pool, "this thread's kernels share rows on the pool (or on torch's OpenMP threads)");
 }
