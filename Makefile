@@ -76,10 +76,11 @@ LOAD_DURATION ?= 60s
 LOAD_MODE     ?= pld
 LOAD_TOKENS   ?= 64
 LOAD_STATE    ?= bench-out/loadtest-stack
+LOAD_MODEL_ARGS ?=
 loadtest: setup
 	mkdir -p bench-out
 	$(VENV)/bin/specdraft up --state-dir $(LOAD_STATE) --port 0 --metrics-port 0 --redis-port 0 \
-	  --max-concurrent $(LOAD_USERS) > /dev/null
+	  --max-concurrent $(LOAD_USERS) $(LOAD_MODEL_ARGS) > /dev/null
 	$(VENV)/bin/locust -f deploy/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_USERS) \
 	  -t $(LOAD_DURATION) --state-dir $(LOAD_STATE) --mode $(LOAD_MODE) --max-new-tokens $(LOAD_TOKENS) \
 	  --csv bench-out/loadtest --html bench-out/loadtest.html --only-summary; \

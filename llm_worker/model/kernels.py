@@ -26,6 +26,11 @@ choice: invariance is a property of one weight's products, so different roles ma
 kernels. Example: for the qkv weight, candidates ``aten:1`` (not invariant), ``onednn:2``
 (invariant, 20 ms per token) and ``onednn:4`` (invariant, 18 ms) → ``onednn:4``: a 1-row decode
 multiplies 3 zero rows too, and is still the fastest.
+
+Two candidates are the fused kernels' own and invariant by construction (one chain per output,
+whatever the rows): ``quant:1`` for float32 weights that are exact 4-/8-bit blocks, ``bf16:1`` for
+bfloat16 weights where the processor has AVX512-BF16 (on a 2-core Zen 4 EPYC it replaced oneDNN
+for every bfloat16 GEMM of the default model: a decode step 17.6 → 11.9 ms at 512 keys).
 """
 
 from __future__ import annotations
