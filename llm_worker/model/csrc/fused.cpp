@@ -582,6 +582,47 @@ SPECDRAFT_AVX512 inline void sum_values(
   for (int64_t i = 0; i < blocks; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
 
+// sum_values for P pairs at once (head_dim 64: 4 P sums in registers), pair q's weights at
+// w + q * stride, its sums at acc + q * 64: each value row is loaded once for all of them and
+// the P independent chains keep the FMA units busy, each pair's sums still in key order (the same
+// bits as P calls of sum_values).
+template <int P>
+SPECDRAFT_AVX512 inline void sum_values_pairs(
+    const GroupJob& g, const float* w, int64_t stride, int64_t lo, int64_t hi, float* acc, float* denom) {
+  __m512 a[P][4];
+  float den[P];
+  for (int q = 0; q < P; ++q) {
+    den[q] = denom[q];
+    for (int i = 0; i < 4; ++i) a[q][i] = _mm512_loadu_ps(acc + q * 64 + 16 * i);
+  }
+  for (int64_t p = lo; p < hi; ++p) {
+    const float* v = g.values + p * g.dv;
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                 v3 = _mm512_loadu_ps(v + 48);
+    for (int q = 0; q < P; ++q) {
+      const float wv = w[q * stride + p];
+      den[q] += wv;
+      const __m512 vw = _mm512_set1_ps(wv);
+      a[q][0] = _mm512_fmadd_ps(vw, v0, a[q][0]);
+      a[q][1] = _mm512_fmadd_ps(vw, v1, a[q][1]);
+      a[q][2] = _mm512_fmadd_ps(vw, v2, a[q][2]);
+      a[q][3] = _mm512_fmadd_ps(vw, v3, a[q][3]);
+    }
+  }
+  for (int q = 0; q < P; ++q) {
+    denom[q] = den[q];
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + q * 64 + 16 * i, a[q][i]);
+  }
+}
+
+// Asks for cache rows [lo, hi) of ``width`` floats ahead of use: a job's next block of keys or
+// values streams in while the current one is summed (no effect on any result).
+inline void prefetch_rows(const float* base, int64_t lo, int64_t hi, int64_t width) {
+  const char* p = reinterpret_cast<const char*>(base + lo * width);
+  const char* end = reinterpret_cast<const char*>(base + hi * width);
+  for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
 template <typename T>
 SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
   constexpr int64_t kBlock = 64;  // keys per block: 16 KB of keys, as much of values, stay in L1
@@ -602,6 +643,7 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
   // scores: the prefix a block at a time for every pair, then each row's own new keys
   for (int64_t k0 = 0; k0 < start; k0 += kBlock) {
     const int64_t k1 = std::min(start, k0 + kBlock);
+    prefetch_rows(g.keys, k1, std::min(start, k1 + kBlock), d);
     for (int64_t pr = 0; pr < pairs; ++pr) {
       const float* q = query(pr);
       float* wp = w.data() + pr * stride;
@@ -635,9 +677,23 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
   // the weighted value sums, key by key in cache order: the prefix a block at a time, then the
   // row's own new keys
   std::fill(acc.begin(), acc.end(), 0.0f);
-  for (int64_t k0 = 0; k0 < start; k0 += kBlock)
-    for (int64_t pr = 0; pr < pairs; ++pr)
-      sum_values(g, w.data() + pr * stride, nullptr, k0, std::min(start, k0 + kBlock), acc.data() + pr * d, denom[pr]);
+  for (int64_t k0 = 0; k0 < start; k0 += kBlock) {
+    prefetch_rows(g.values, k0 + kBlock, std::min(start, k0 + 2 * kBlock), g.dv);
+    const int64_t k1 = std::min(start, k0 + kBlock);
+    if (d != 64) {
+      for (int64_t pr = 0; pr < pairs; ++pr)
+        sum_values(g, w.data() + pr * stride, nullptr, k0, k1, acc.data() + pr * d, denom[pr]);
+      continue;
+    }
+    for (int64_t pr = 0; pr < pairs; pr += 3) {
+      float *wp = w.data() + pr * stride, *ap = acc.data() + pr * d, *dp = denom.data() + pr;
+      switch (std::min<int64_t>(3, pairs - pr)) {
+        case 3: sum_values_pairs<3>(g, wp, stride, k0, k1, ap, dp); break;
+        case 2: sum_values_pairs<2>(g, wp, stride, k0, k1, ap, dp); break;
+        default: sum_values_pairs<1>(g, wp, stride, k0, k1, ap, dp);
+      }
+    }
+  }
   for (int64_t pr = 0; pr < pairs; ++pr) {
     const int64_t r = pr / g.group;
     sum_values(g, w.data() + pr * stride, tail.data() + r * g.width, start, start + tails[r], acc.data() + pr * d,
