@@ -58,6 +58,21 @@ def test_packing_is_panels_of_sixteen_outputs_by_input_pairs() -> None:
         pack_bf16(torch.zeros(4, 5, dtype=torch.bfloat16))
 
 
+def test_bad_arguments_are_errors_not_crashes(fused: ModuleType) -> None:
+    packed = pack_bf16(torch.randn(40, 96).bfloat16())
+    x = torch.randn(3, 96).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        fused.bf16_linear(x.float(), packed, None, 40)
+    with pytest.raises(RuntimeError, match="packed"):  # another K than the weight's
+        fused.bf16_linear(torch.randn(3, 64).bfloat16(), packed, None, 40)
+    with pytest.raises(RuntimeError, match="packed"):  # more outputs than the panels hold
+        fused.bf16_linear(x, packed, None, 64)
+    with pytest.raises(RuntimeError, match="bias"):
+        fused.bf16_linear(x, packed, torch.randn(8), 40)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        fused.bf16_linear(torch.randn(96, 3).bfloat16().t(), packed, None, 40)
+
+
 def test_float32_weights_are_refused(fused: ModuleType) -> None:
     with pytest.raises(RuntimeError, match="bfloat16 weights"):
         Linear(torch.randn(16, 64), None, Kernel("bf16", 1))
