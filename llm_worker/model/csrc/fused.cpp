@@ -980,21 +980,28 @@ SPECDRAFT_AVX512 inline void rows_buffered16(const float* x, int64_t K, const fl
     }
 }
 
+// f(std::integral_constant<int, R>{}, m) for rows [0, M) in blocks of R = 6 rows from row m (the
+// last block 1..6): register-blocked kernels take their row count as a template argument.
+template <typename F>
+inline void in_blocks_of_six(int64_t M, const F& f) {
+  for (int64_t m = 0; m < M; m += 6) {
+    switch (std::min<int64_t>(6, M - m)) {
+      case 6: f(std::integral_constant<int, 6>{}, m); break;
+      case 5: f(std::integral_constant<int, 5>{}, m); break;
+      case 4: f(std::integral_constant<int, 4>{}, m); break;
+      case 3: f(std::integral_constant<int, 3>{}, m); break;
+      case 2: f(std::integral_constant<int, 2>{}, m); break;
+      default: f(std::integral_constant<int, 1>{}, m);
+    }
+  }
+}
+
 template <int G>
 SPECDRAFT_AVX512 inline void many_rows16(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
     int64_t p0, const float* bias, float* y) {
-  for (int64_t m = 0; m < M; m += 6) {
-    const float* xm = x + m * K;
-    float* ym = y + m * N;
-    switch (std::min<int64_t>(6, M - m)) {
-      case 6: rows_buffered16<6, G>(xm, K, w, N, p0, bias, ym); break;
-      case 5: rows_buffered16<5, G>(xm, K, w, N, p0, bias, ym); break;
-      case 4: rows_buffered16<4, G>(xm, K, w, N, p0, bias, ym); break;
-      case 3: rows_buffered16<3, G>(xm, K, w, N, p0, bias, ym); break;
-      case 2: rows_buffered16<2, G>(xm, K, w, N, p0, bias, ym); break;
-      default: rows_buffered16<1, G>(xm, K, w, N, p0, bias, ym);
-    }
-  }
+  in_blocks_of_six(M, [&](auto rows, int64_t m) {
+    rows_buffered16<decltype(rows)::value, G>(x + m * K, K, w, N, p0, bias, y + m * N);
+  });
 }
 
 // One task of quant_gemm (panels p0 .. p1 - 1, every row), 16 lanes at a time.
@@ -1170,18 +1177,9 @@ SPECDRAFT_BF16 inline void bf16_panels(const uint16_t* x, int64_t K, const uint1
 template <int G>
 SPECDRAFT_BF16 void bf16_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t p0,
     int64_t N, const float* bias, uint16_t* y) {
-  for (int64_t m = 0; m < M; m += 6) {
-    const uint16_t* xm = x + m * K;
-    uint16_t* ym = y + m * N;
-    switch (std::min<int64_t>(6, M - m)) {
-      case 6: bf16_panels<6, G>(xm, K, w, p0, N, bias, ym); break;
-      case 5: bf16_panels<5, G>(xm, K, w, p0, N, bias, ym); break;
-      case 4: bf16_panels<4, G>(xm, K, w, p0, N, bias, ym); break;
-      case 3: bf16_panels<3, G>(xm, K, w, p0, N, bias, ym); break;
-      case 2: bf16_panels<2, G>(xm, K, w, p0, N, bias, ym); break;
-      default: bf16_panels<1, G>(xm, K, w, p0, N, bias, ym);
-    }
-  }
+  in_blocks_of_six(M, [&](auto rows, int64_t m) {
+    bf16_panels<decltype(rows)::value, G>(x + m * K, K, w, p0, N, bias, y + m * N);
+  });
 }
 
 // x [M, K] bfloat16 @ the packed weight^T (+ float32 bias) -> [M, N] bfloat16.
