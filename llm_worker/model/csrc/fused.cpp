@@ -1097,6 +1097,14 @@ void quant_gemm(const Codes& c, const float* x, int64_t M, int64_t K, int64_t N,
   });
 }
 
+// A GEMM's optional bias: [N] float32 (nullptr: none).
+const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  check_cpu(*bias, "bias");
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() >= n, "bias [N] float32");
+  return bias->data_ptr<float>();
+}
+
 // x [M, K] float32 @ the packed weight^T (+ bias) -> [M, N] float32.
 torch::Tensor quant_linear(
     torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
@@ -1106,12 +1114,7 @@ torch::Tensor quant_linear(
   const int64_t M = x.size(0), K = x.size(1), P = (n + kPanel - 1) / kPanel;
   TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kFloat && scales.numel() == P * (K / kBlock) * kPanel,
       "scales [P, K / 32, 16] for x's K");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() >= n, "bias [N] float32");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_data(bias, n);
   torch::Tensor y = torch::empty({M, n}, x.options());
   if (offsets.has_value()) {
     check_cpu(*offsets, "offsets");
@@ -1191,12 +1194,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
   const int64_t M = x.size(0), K = x.size(1), P = (n + 15) / 16;
   TORCH_CHECK(K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.numel() == P * K * 16,
       "weight packed [P, K / 2, 16, 2] bfloat16 for x's K");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() >= n, "bias [N] float32");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_data(bias, n);
   torch::Tensor y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<BF16>());
