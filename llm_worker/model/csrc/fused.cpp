@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -1154,7 +1155,6 @@ template <int R, int G>
 SPECDRAFT_BF16 inline void bf16_panels(const uint16_t* x, int64_t K, const uint16_t* w, int64_t p0,
     int64_t N, const float* bias, uint16_t* y) {
   const int64_t pairs = K / 2;
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
   const uint16_t* wp[G];
   for (int g = 0; g < G; ++g) wp[g] = w + (p0 + g) * pairs * 32;
   __m512 acc[R * G];
@@ -1163,7 +1163,9 @@ SPECDRAFT_BF16 inline void bf16_panels(const uint16_t* x, int64_t K, const uint1
     __m512bh wk[G];
     for (int g = 0; g < G; ++g) wk[g] = (__m512bh)_mm512_loadu_si512(wp[g] + k * 32);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * pairs + k]);
+      int32_t pair;  // x[r, 2k] and x[r, 2k + 1] as one 32-bit lane (memcpy: no aliasing)
+      std::memcpy(&pair, x + r * K + 2 * k, sizeof pair);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
       for (int g = 0; g < G; ++g) acc[r * G + g] = _mm512_dpbf16_ps(acc[r * G + g], xb, wk[g]);
     }
   }
