@@ -200,7 +200,8 @@ def candidates(device: torch.device, dtype: torch.dtype) -> list[Kernel]:
     padded = [Kernel(lib, rows) for lib in libraries for rows in PAD_ROWS]
     # invariant at every row count by construction: no padding, no blocks
     own = [Kernel("quant", 1)] if quant_available(device, dtype) else []
-    return padded + own + ([Kernel("bf16", 1)] if bf16_available(device, dtype) else [])
+    own += [Kernel("bf16", 1)] if bf16_available(device, dtype) else []
+    return padded + own
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -242,9 +243,9 @@ class Linear:
                 raise RuntimeError("quant: the weight is not exact 4- or 8-bit blocks (or no fused kernels)")
         self.pairs: torch.Tensor | None = None
         if kernel.library == "bf16":
-            self.fused = native.load()
-            if self.fused is None or not self.fused.bf16_dot() or weight.dtype != torch.bfloat16:
+            if not bf16_available(weight.device, weight.dtype):
                 raise RuntimeError("bf16: needs bfloat16 weights and the fused kernels with AVX512-BF16")
+            self.fused = native.load()
             self.pairs = pack_bf16(weight)
             self.bias = bias.float() if bias is not None else None
 

@@ -1043,11 +1043,17 @@ SPECDRAFT_AVX512 void quant_task16(const Codes& c, const float* x, int64_t M, in
   }
 }
 
+// Whether the environment variable ``name`` is "0" (a variant turned off, for tests and comparisons).
+bool turned_off(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && std::string(value) == "0";
+}
+
 // Whether the AVX-512 variants run (SPECDRAFT_NATIVE_AVX512=0 keeps AVX2: tests compare the two).
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
       && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
-      && !(std::getenv("SPECDRAFT_NATIVE_AVX512") && std::string(std::getenv("SPECDRAFT_NATIVE_AVX512")) == "0");
+      && !turned_off("SPECDRAFT_NATIVE_AVX512");
   return yes;
 }
 
@@ -1146,7 +1152,7 @@ torch::Tensor quant_linear(
 
 bool has_bf16_dot() {
   static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bf16")
-      && !(std::getenv("SPECDRAFT_NATIVE_BF16") && std::string(std::getenv("SPECDRAFT_NATIVE_BF16")) == "0");
+      && !turned_off("SPECDRAFT_NATIVE_BF16");
   return yes;
 }
 
