@@ -11,8 +11,11 @@ long prompt shares forwards with the others' decode steps instead of stalling th
 
 When to run: as soon as every request that is inside a decode step (``BatchSession.step``) has
 its forward waiting — the others are paused between steps (a stream whose client reads slowly)
-or finished — or, at the latest, ``max_wait_seconds`` after the first forward began to wait (a
-request still drafting joins the next forward). A forward takes at most ``max_rows`` rows (the
+or finished — or, at the latest, ``max_wait_seconds`` after the first forward began to wait or
+the last forward ended, whichever is later (a request still drafting joins the next forward).
+Counting from the end of the last forward matters: requests that sent theirs while it ran would
+otherwise go at once, without those it just woke, and the users split into two half-full
+forwards that alternate for ever. A forward takes at most ``max_rows`` rows (the
 first forward waiting always goes, whatever its size); the rest wait for the next.
 
 Lossless: the fast backend's forward is batch-invariant (``fast_llama``), so a request's logits
@@ -87,6 +90,7 @@ class BatchScheduler:
         self._pending: list[_Pending] = []
         self._sessions: set[BatchSession] = set()
         self._stopped = False
+        self._free_since = 0.0  # when the last forward ended
         self.forwards = 0
         self.requests = 0  # request-forwards: Σ requests per forward
         self._thread = threading.Thread(target=self._loop, name="batch-scheduler", daemon=True)
@@ -157,13 +161,19 @@ class BatchScheduler:
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
+    def _deadline(self) -> float:
+        """When the next forward goes even if requests in a step have not sent theirs: the wait
+        counts from the later of the first forward's arrival and the end of the last forward, so
+        requests that sent theirs while the last forward ran wait for those it just woke."""
+        return max(self._pending[0].since, self._free_since) + self.config.max_wait_seconds
+
     def _ready(self, now: float) -> bool:
         if not self._pending:
             return False
         waiting = {p.session for p in self._pending}
         if all(s in waiting for s in self._sessions if s.in_step):
             return True
-        return now - self._pending[0].since >= self.config.max_wait_seconds
+        return now >= self._deadline()
 
     def _take(self) -> list[_Pending]:
         """The forwards of the next batch: first come first, within ``max_rows``."""
@@ -183,7 +193,7 @@ class BatchScheduler:
             with self._cond:
                 while not self._stopped and not self._ready(time.perf_counter()):
                     if self._pending:
-                        left = self._pending[0].since + self.config.max_wait_seconds - time.perf_counter()
+                        left = self._deadline() - time.perf_counter()
                         self._cond.wait(timeout=max(left, 1e-4))
                     else:
                         self._cond.wait()
@@ -215,7 +225,8 @@ class BatchScheduler:
         self.requests += len(batch)
         if self.on_batch is not None:
             self.on_batch(BatchRecord(len(batch), rows))
-        seconds = time.perf_counter() - began
+        self._free_since = time.perf_counter()
+        seconds = self._free_since - began
         for item, out in zip(batch, outputs, strict=True):
             session = item.session
             session.last_rows = int(item.call.tokens.shape[0])

@@ -303,6 +303,52 @@ def test_forwards_respect_the_row_cap() -> None:
         engine.close()
 
 
+def test_a_request_that_waited_through_a_forward_waits_for_those_it_woke() -> None:
+    """B sends its forward while A's runs alone; when A's ends, B waits (up to ``max_wait``,
+    counted from that end) for A's next one instead of going alone: one forward of both, not
+    two half-full forwards alternating for ever."""
+    target = fast_target()
+    inner = target.forward_many
+    running = threading.Event()
+
+    def slow(calls):  # type: ignore[no-untyped-def]
+        running.set()
+        time.sleep(0.05)
+        return inner(calls)
+
+    target.forward_many = slow  # type: ignore[method-assign]
+    records: list[int] = []
+    engine = batched(target, FLAT_CURVE, max_wait_seconds=0.02)
+    assert engine.scheduler is not None
+    engine.scheduler.on_batch = lambda record: records.append(record.requests)
+    a, b = engine.scheduler.session(), engine.scheduler.session()
+
+    def user_a() -> None:
+        state = target.start()
+        for _ in range(2):
+            with a.step():
+                a.forward(state, torch.tensor([1, 2]), None, ArtifactNeeds())
+                target.commit(state, [0, 1])
+                time.sleep(0.002)  # the step's own work after its forward
+
+    def user_b() -> None:
+        running.wait()
+        with b.step():
+            b.forward(target.start(), torch.tensor([3]), None, ArtifactNeeds())
+
+    try:
+        threads = [threading.Thread(target=user_a), threading.Thread(target=user_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert records == [1, 2]
+    finally:
+        a.close()
+        b.close()
+        engine.close()
+
+
 # -- the planner under load ---------------------------------------------------------------------
 
 
