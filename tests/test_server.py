@@ -295,6 +295,24 @@ def test_bench_grpc_reports_overhead_per_call_and_per_token(
         assert report[key]["median"] <= report[key]["p99"]
 
 
+def test_bench_grpc_starts_a_worker_that_admits_its_highest_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``--server`` the worker it starts admits as many generations as the highest
+    concurrency asks for (the default of 4 would refuse the fifth user of ``--concurrency 8``)."""
+    from client import stack
+    from client.bench import grpc_concurrency
+
+    started: list[tuple[str, ...]] = []
+
+    def up(cfg: stack.StackConfig, state: Path) -> None:
+        started.append(cfg.worker_args)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(stack, "up", up)
+    with pytest.raises(RuntimeError, match="not started"):
+        grpc_concurrency.run_grpc_concurrency_new_worker(["--dtype", "bfloat16"], ["hi"], ["ar"], [1, 8], 4)
+    assert started == [("--dtype", "bfloat16", "--max-concurrent", "8")]
+
+
 def test_a_batching_worker_shares_forwards_and_answers_as_alone(
     worker: Worker, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

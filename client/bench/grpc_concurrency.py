@@ -166,14 +166,16 @@ def run_grpc_concurrency_new_worker(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """``run_grpc_concurrency`` against a worker process started for it (``specdraft serve
-    worker`` with ``worker_args``, batching as served, metrics on a free port) and stopped after."""
+    worker`` with ``worker_args``, batching as served, metrics on a free port, admitting the
+    highest level's users at once) and stopped after."""
     import tempfile
     from pathlib import Path
 
     from client.stack import StackConfig, down, up
 
+    admit = ("--max-concurrent", str(max(levels)))
     cfg = StackConfig(
-        worker_port=0, metrics_port=0, redis=False, worker_args=tuple(worker_args), grace_seconds=5
+        worker_port=0, metrics_port=0, redis=False, worker_args=(*worker_args, *admit), grace_seconds=5
     )
     with tempfile.TemporaryDirectory(prefix="specdraft-bench-grpc-") as state:
         stack = up(cfg, Path(state))
