@@ -9,9 +9,10 @@ and wakes each request with its own output. Requests join and leave between forw
 waiting for each other; a prompt is prefilled in chunks (``EngineConfig.prefill_chunk``), so a
 long prompt shares forwards with the others' decode steps instead of stalling them.
 
-When to run: as soon as every request that is inside a decode step (``BatchSession.step``) has
-its forward waiting — the others are paused between steps (a stream whose client reads slowly)
-or finished — or, at the latest, ``max_wait_seconds`` after the first forward began to wait or
+When to run: as soon as every request that is inside a decode step (``BatchSession.step``), or
+left one less than ``max_wait_seconds`` ago (a server passing the step's tokens to its client),
+has its forward waiting — the others are paused between steps (a stream whose client reads
+slowly) or finished — or, at the latest, ``max_wait_seconds`` after the first forward began to wait or
 the last forward ended, whichever is later (a request still drafting joins the next forward).
 Counting from the end of the last forward matters: requests that sent theirs while it ran would
 otherwise go at once, without those it just woke, and the users split into two half-full
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -113,6 +115,8 @@ class BatchScheduler:
     def _set_in_step(self, session: BatchSession, value: bool) -> None:
         with self._cond:
             session.in_step = value
+            if not value:
+                session.step_ended = time.perf_counter()
             self._cond.notify_all()
 
     @property
@@ -167,11 +171,16 @@ class BatchScheduler:
         requests that sent theirs while the last forward ran wait for those it just woke."""
         return max(self._pending[0].since, self._free_since) + self.config.max_wait_seconds
 
+    def _expected(self, session: BatchSession, now: float) -> bool:
+        """Whether a forward of ``session`` is likely soon: it is inside a step, or it left one
+        within ``max_wait_seconds`` (a server passing the step's tokens to its client)."""
+        return session.in_step or now - session.step_ended < self.config.max_wait_seconds
+
     def _ready(self, now: float) -> bool:
         if not self._pending:
             return False
         waiting = {p.session for p in self._pending}
-        if all(s in waiting for s in self._sessions if s.in_step):
+        if all(s in waiting for s in self._sessions if self._expected(s, now)):
             return True
         return now >= self._deadline()
 
@@ -245,6 +254,7 @@ class BatchSession(TargetModel):
         self.info = self.inner.info
         self.model = self.inner.model
         self.in_step = False
+        self.step_ended = -math.inf  # when it last left a step
         self.last_rows = 0  # rows of its last forward
         self.last_tokens = 0.0  # tokens its last step committed
         self.forward_rows = 0  # rows of the last forward it shared with other requests (0: alone)

@@ -349,6 +349,52 @@ def test_a_request_that_waited_through_a_forward_waits_for_those_it_woke() -> No
         engine.close()
 
 
+def test_a_request_that_just_left_its_step_is_waited_for() -> None:
+    """A server passes a step's tokens to its client between steps: B's forward waits for A's,
+    whose request left its step a moment ago (within ``max_wait``), and both share one."""
+    target = fast_target()
+    inner = target.forward_many
+    running = threading.Event()
+
+    def slow(calls):  # type: ignore[no-untyped-def]
+        running.set()
+        time.sleep(0.05)
+        return inner(calls)
+
+    target.forward_many = slow  # type: ignore[method-assign]
+    records: list[int] = []
+    engine = batched(target, FLAT_CURVE, max_wait_seconds=0.5)
+    assert engine.scheduler is not None
+    engine.scheduler.on_batch = lambda record: records.append(record.requests)
+    a, b = engine.scheduler.session(), engine.scheduler.session()
+
+    def user_a() -> None:
+        state = target.start()
+        for _ in range(2):
+            with a.step():
+                a.forward(state, torch.tensor([1, 2]), None, ArtifactNeeds())
+                target.commit(state, [0, 1])
+            time.sleep(0.1)  # sending the step's tokens, outside the step
+
+    def user_b() -> None:
+        running.wait()
+        time.sleep(0.1)  # A's forward has ended: A is between its steps
+        with b.step():
+            b.forward(target.start(), torch.tensor([3]), None, ArtifactNeeds())
+
+    try:
+        threads = [threading.Thread(target=user_a), threading.Thread(target=user_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert records == [1, 2]
+    finally:
+        a.close()
+        b.close()
+        engine.close()
+
+
 # -- the planner under load ---------------------------------------------------------------------
 
 
