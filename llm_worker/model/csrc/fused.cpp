@@ -95,6 +95,19 @@ inline float hsum(__m256 v) {
 }
 
 // exp(x) per lane: Cephes' range reduction and polynomial (about 1 ulp); exp(x) = 0 below -88.37.
+// The largest of w[0 .. count), 8 lanes at a time (a max is exact: any order gives its bits).
+inline float max_of(const float* w, int64_t count) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t p = 0;
+  for (; p + 8 <= count; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(w + p));
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1));
+  float top = _mm256_cvtss_f32(m);
+  for (; p < count; ++p) top = std::max(top, w[p]);
+  return top;
+}
+
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
   __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
@@ -492,8 +505,7 @@ void attend8(const Job& job, const std::vector<int64_t>& pos, T* o) {
     for (int t = 0; t < 8; ++t) kptr[t] = job.keys + pos[std::min(b + t, count - 1)] * d;
     _mm256_storeu_ps(w.data() + b, _mm256_mul_ps(dot8(job.q, kptr, d), vscale));
   }
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t p = 0; p < count; ++p) top = std::max(top, w[p]);
+  const float top = max_of(w.data(), count);
   const __m256 vtop = _mm256_set1_ps(top);
   for (int64_t b = 0; b < count; b += 8)
     _mm256_storeu_ps(w.data() + b, exp8(_mm256_sub_ps(_mm256_loadu_ps(w.data() + b), vtop)));
@@ -670,9 +682,7 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
   for (int64_t pr = 0; pr < pairs; ++pr) {
     const int64_t count = start + tails[pr / g.group];
     float* wp = w.data() + pr * stride;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < count; ++p) top = std::max(top, wp[p]);
-    const __m512 vtop = _mm512_set1_ps(top);
+    const __m512 vtop = _mm512_set1_ps(max_of(wp, count));
     for (int64_t b = 0; b < count; b += 16) _mm512_storeu_ps(wp + b, exp16(_mm512_sub_ps(_mm512_loadu_ps(wp + b), vtop)));
   }
   // the weighted value sums, key by key in cache order: the prefix a block at a time, then the
