@@ -15,7 +15,9 @@ arithmetic. Here the same network runs on the kernels the target's fast forward 
   both through the fused attention: a query row reads the committed prefix [0, start) of its
   slot, the self-attention also the new rows it may see.
 
-RoPE of the draft's queries and keys stays in torch (a few hundred numbers a row).
+RoPE and the cache write of the self-attention's queries and keys run in the fused ``rope_store``
+as the target's do; the cross-attention's queries are rotated in torch (a few hundred numbers a
+row).
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class FusedGlide:
         cfg = net.cfg
         self.cfg, self.fused = cfg, fused
         self.cos, self.sin = cos, sin  # [max_context, d] as GlideNet's (transformers' convention)
+        half = cfg.head_dim // 2  # the fused RoPE's sine: the rotated half's sign folded in
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=1).contiguous()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.layers: list[_Layer] = []
         for layer in net.layers:
@@ -117,10 +121,6 @@ class FusedGlide:
                 new[:, :, : kv.length] = old[:, :, : kv.length]
                 buffers[i] = new
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [n, heads, d] rotated at ``positions`` [n] → contiguous [n, heads, d]."""
-        return rotate(x, self.cos[positions][:, None], self.sin[positions][:, None]).contiguous()
-
     def forward(
         self,
         x: torch.Tensor,  # [n, hidden] float32 embedded tokens at positions kv.length ..
@@ -131,12 +131,14 @@ class FusedGlide:
         """The last row's draft logits [V]; the rows' own K/V appended to ``kv``."""
         cfg, fused = self.cfg, self.fused
         n, past = x.shape[0], kv.length
-        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads, d = cfg.num_heads, cfg.head_dim
         self._reserve(kv, past + n)
         positions = torch.arange(kv.offset + past, kv.offset + past + n)
         rows = torch.arange(n)
         self_slot, self_start = torch.zeros(n, dtype=torch.long), torch.full((n,), past, dtype=torch.long)
         causal = causal_mask(n)
+        cos, sin, sin_signed = self.cos[positions], self.sin[positions], self.sin_signed[positions]  # [n, d]
+        cache_positions = torch.arange(past, past + n)
         if target is not None:
             assert limits is not None
             cross_slot = torch.full((n,), target.slot, dtype=torch.long)
@@ -144,18 +146,16 @@ class FusedGlide:
         h, a = fused.add_rms_norm(x.contiguous(), None, self.layers[0].ln_self, cfg.rms_eps)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(a)  # [n, (heads + 2 kv) d]
-            q = self._rope(qkv[:, : heads * d].view(n, heads, d), positions)
-            k = self._rope(qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d), positions)
-            v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
             keys, values = kv.keys[index], kv.values[index]
-            keys[0, :, past : past + n] = k.transpose(0, 1)
-            values[0, :, past : past + n] = v.transpose(0, 1)
+            q = torch.empty(n, heads, d)
+            # rotated queries into q, rotated keys and the values into the draft's own cache
+            fused.rope_store(qkv, cos, sin_signed, q, keys, values, rows, self_slot, cache_positions)
             out = torch.empty(n, heads * d)
             fused.attention(q, keys, values, rows, self_slot, self_start, causal, self.scale, out)
             if layer.cq is not None and layer.co is not None and layer.ln_cross is not None:
                 assert target is not None and limits is not None
                 h, c = fused.add_rms_norm(h, layer.o(out), layer.ln_cross, cfg.rms_eps)
-                cq = self._rope(layer.cq(c).view(n, heads, d), positions)
+                cq = rotate(layer.cq(c).view(n, heads, d), cos[:, None], sin[:, None]).contiguous()
                 out = torch.empty(n, heads * d)
                 fused.attention(
                     cq, target.keys, target.values, rows, cross_slot, limits, no_new_rows, self.scale, out
