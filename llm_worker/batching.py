@@ -12,12 +12,12 @@ long prompt shares forwards with the others' decode steps instead of stalling th
 When to run: as soon as every request that is inside a decode step (``BatchSession.step``), or
 left one less than ``max_wait_seconds`` ago (a server passing the step's tokens to its client),
 has its forward waiting — the others are paused between steps (a stream whose client reads
-slowly) or finished — or, at the latest, ``max_wait_seconds`` after the first forward began to wait or
-the last forward ended, whichever is later (a request still drafting joins the next forward).
-Counting from the end of the last forward matters: requests that sent theirs while it ran would
-otherwise go at once, without those it just woke, and the users split into two half-full
-forwards that alternate for ever. A forward takes at most ``max_rows`` rows (the
-first forward waiting always goes, whatever its size); the rest wait for the next.
+slowly) or finished — or, at the latest, ``max_wait_seconds`` after the first forward began to
+wait or the last forward ended, whichever is later (a request still drafting joins the next
+forward). Counting from the end of the last forward matters: requests that sent theirs while it
+ran would otherwise go at once, without those it just woke, and the users split into two
+half-full forwards that alternate for ever. A forward takes at most ``max_rows`` rows (the first
+forward waiting always goes, whatever its size); the rest wait for the next.
 
 Lossless: the fast backend's forward is batch-invariant (``fast_llama``), so a request's logits
 are bit-identical whatever else shares its forward. If a forward over several requests fails
