@@ -566,7 +566,8 @@ SPECDRAFT_AVX512 inline __m256 dot8_wide(const float* q, const float* const* k, 
 // key by key in cache order), so a row's output does not depend on the others. Only the loops'
 // order serves the group: the prefix is walked in blocks of keys, each block's keys and values
 // read once from memory for all the rows and heads (L1 after the first). A row's new keys (its
-// visible ones among the call's) follow per row.
+// visible ones among the call's) follow per row, or, when every row is causal (a prefill chunk),
+// in the same blocked walk, each row up to its own last key.
 struct GroupJob {
   const float* q;  // [N, H, d] queries
   const float* keys;  // [capacity, d] of the KV head
@@ -652,22 +653,35 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
     for (int64_t i = 0; i < g.width; ++i)
       if (g.visible[r * g.width + i]) tail[r * g.width + tails[r]++] = start + i;
   auto query = [&](int64_t pr) { return g.q + (g.row[pr / g.group] * g.heads + g.head0 + pr % g.group) * d; };
+  // Causal rows (each sees the call's new keys 0 .. n - 1, as a prefill chunk's rows do): their new
+  // keys follow the prefix in the cache, so the blocked walk below covers them too, each row up to
+  // its own last key — the same keys in the same order as the per-row walk, the same bits.
+  bool causal = true;
+  int64_t end = start;  // the blocked walk's last key + 1
+  for (int64_t r = 0; r < g.rows && causal; ++r) {
+    for (int64_t i = 0; i < tails[r] && causal; ++i) causal = tail[r * g.width + i] == start + i;
+    end = std::max(end, start + tails[r]);
+  }
+  if (!causal) end = start;
+  auto reach = [&](int64_t r) { return causal ? start + tails[r] : start; };  // row r's blocked keys end
   const __m256 vscale = _mm256_set1_ps(g.scale);
-  // scores: the prefix a block at a time for every pair, then each row's own new keys
-  for (int64_t k0 = 0; k0 < start; k0 += kBlock) {
-    const int64_t k1 = std::min(start, k0 + kBlock);
-    prefetch_rows(g.keys, k1, std::min(start, k1 + kBlock), d);
+  // scores: the prefix (and causal rows' new keys) a block at a time for every pair, then each
+  // other row's own new keys
+  for (int64_t k0 = 0; k0 < end; k0 += kBlock) {
+    const int64_t k1 = std::min(end, k0 + kBlock);
+    prefetch_rows(g.keys, k1, std::min(end, k1 + kBlock), d);
     for (int64_t pr = 0; pr < pairs; ++pr) {
+      const int64_t last = reach(pr / g.group), hi = std::min(k1, last);
       const float* q = query(pr);
       float* wp = w.data() + pr * stride;
-      for (int64_t b = k0; b < k1; b += 8) {
+      for (int64_t b = k0; b < hi; b += 8) {
         const float* kptr[8];
-        for (int t = 0; t < 8; ++t) kptr[t] = g.keys + std::min(b + t, start - 1) * d;
+        for (int t = 0; t < 8; ++t) kptr[t] = g.keys + std::min(b + t, last - 1) * d;
         _mm256_storeu_ps(wp + b, _mm256_mul_ps(dot8_wide(q, kptr, d), vscale));
       }
     }
   }
-  for (int64_t pr = 0; pr < pairs; ++pr) {
+  for (int64_t pr = 0; pr < pairs && !causal; ++pr) {
     const int64_t r = pr / g.group, n = tails[r];
     const int64_t* own = tail.data() + r * g.width;
     const float* q = query(pr);
@@ -685,27 +699,30 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
     const __m512 vtop = _mm512_set1_ps(max_of(wp, count));
     for (int64_t b = 0; b < count; b += 16) _mm512_storeu_ps(wp + b, exp16(_mm512_sub_ps(_mm512_loadu_ps(wp + b), vtop)));
   }
-  // the weighted value sums, key by key in cache order: the prefix a block at a time, then the
-  // row's own new keys
+  // the weighted value sums, key by key in cache order: the prefix (and causal rows' new keys) a
+  // block at a time, then each other row's own new keys
   std::fill(acc.begin(), acc.end(), 0.0f);
-  for (int64_t k0 = 0; k0 < start; k0 += kBlock) {
-    prefetch_rows(g.values, k0 + kBlock, std::min(start, k0 + 2 * kBlock), g.dv);
-    const int64_t k1 = std::min(start, k0 + kBlock);
-    if (d != 64) {
-      for (int64_t pr = 0; pr < pairs; ++pr)
-        sum_values(g, w.data() + pr * stride, nullptr, k0, k1, acc.data() + pr * d, denom[pr]);
-      continue;
-    }
-    for (int64_t pr = 0; pr < pairs; pr += 3) {
-      float *wp = w.data() + pr * stride, *ap = acc.data() + pr * d, *dp = denom.data() + pr;
-      switch (std::min<int64_t>(3, pairs - pr)) {
-        case 3: sum_values_pairs<3>(g, wp, stride, k0, k1, ap, dp); break;
-        case 2: sum_values_pairs<2>(g, wp, stride, k0, k1, ap, dp); break;
-        default: sum_values_pairs<1>(g, wp, stride, k0, k1, ap, dp);
+  for (int64_t k0 = 0; k0 < end; k0 += kBlock) {
+    prefetch_rows(g.values, k0 + kBlock, std::min(end, k0 + 2 * kBlock), g.dv);
+    const int64_t k1 = std::min(end, k0 + kBlock);
+    for (int64_t r = 0; r < g.rows; ++r) {  // a row's heads together: they share its last key
+      const int64_t hi = std::min(k1, reach(r)), first = r * g.group, stop = first + g.group;
+      if (hi <= k0) continue;
+      for (int64_t pr = first; pr < stop; pr += d == 64 ? 3 : 1) {
+        float *wp = w.data() + pr * stride, *ap = acc.data() + pr * d, *dp = denom.data() + pr;
+        if (d != 64) {
+          sum_values(g, wp, nullptr, k0, hi, ap, *dp);
+          continue;
+        }
+        switch (std::min<int64_t>(3, stop - pr)) {
+          case 3: sum_values_pairs<3>(g, wp, stride, k0, hi, ap, dp); break;
+          case 2: sum_values_pairs<2>(g, wp, stride, k0, hi, ap, dp); break;
+          default: sum_values_pairs<1>(g, wp, stride, k0, hi, ap, dp);
+        }
       }
     }
   }
-  for (int64_t pr = 0; pr < pairs; ++pr) {
+  for (int64_t pr = 0; pr < pairs && !causal; ++pr) {
     const int64_t r = pr / g.group;
     sum_values(g, w.data() + pr * stride, tail.data() + r * g.width, start, start + tails[r], acc.data() + pr * d,
         denom[pr]);
