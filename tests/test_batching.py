@@ -303,96 +303,66 @@ def test_forwards_respect_the_row_cap() -> None:
         engine.close()
 
 
+def two_users_share(max_wait: float, a_inside: float, a_outside: float, b_delay: float) -> list[int]:
+    """Requests per forward when A runs two steps and B one, over a target whose forward takes
+    50 ms: A's steps do ``a_inside`` s of work after their forward inside the step and
+    ``a_outside`` s after it; B starts its step ``b_delay`` s after A's first forward began."""
+    target = fast_target()
+    inner = target.forward_many
+    running = threading.Event()
+
+    def slow(calls):  # type: ignore[no-untyped-def]
+        running.set()
+        time.sleep(0.05)
+        return inner(calls)
+
+    target.forward_many = slow  # type: ignore[method-assign]
+    records: list[int] = []
+    engine = batched(target, FLAT_CURVE, max_wait_seconds=max_wait)
+    assert engine.scheduler is not None
+    engine.scheduler.on_batch = lambda record: records.append(record.requests)
+    a, b = engine.scheduler.session(), engine.scheduler.session()
+
+    def user_a() -> None:
+        state = target.start()
+        for _ in range(2):
+            with a.step():
+                a.forward(state, torch.tensor([1, 2]), None, ArtifactNeeds())
+                target.commit(state, [0, 1])
+                time.sleep(a_inside)
+            time.sleep(a_outside)
+
+    def user_b() -> None:
+        running.wait()
+        time.sleep(b_delay)
+        with b.step():
+            b.forward(target.start(), torch.tensor([3]), None, ArtifactNeeds())
+
+    try:
+        threads = [threading.Thread(target=user_a), threading.Thread(target=user_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return records
+    finally:
+        a.close()
+        b.close()
+        engine.close()
+
+
 def test_a_request_that_waited_through_a_forward_waits_for_those_it_woke() -> None:
     """B sends its forward while A's runs alone; when A's ends, B waits (up to ``max_wait``,
     counted from that end) for A's next one instead of going alone: one forward of both, not
     two half-full forwards alternating for ever."""
-    target = fast_target()
-    inner = target.forward_many
-    running = threading.Event()
-
-    def slow(calls):  # type: ignore[no-untyped-def]
-        running.set()
-        time.sleep(0.05)
-        return inner(calls)
-
-    target.forward_many = slow  # type: ignore[method-assign]
-    records: list[int] = []
-    engine = batched(target, FLAT_CURVE, max_wait_seconds=0.02)
-    assert engine.scheduler is not None
-    engine.scheduler.on_batch = lambda record: records.append(record.requests)
-    a, b = engine.scheduler.session(), engine.scheduler.session()
-
-    def user_a() -> None:
-        state = target.start()
-        for _ in range(2):
-            with a.step():
-                a.forward(state, torch.tensor([1, 2]), None, ArtifactNeeds())
-                target.commit(state, [0, 1])
-                time.sleep(0.002)  # the step's own work after its forward
-
-    def user_b() -> None:
-        running.wait()
-        with b.step():
-            b.forward(target.start(), torch.tensor([3]), None, ArtifactNeeds())
-
-    try:
-        threads = [threading.Thread(target=user_a), threading.Thread(target=user_b)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert records == [1, 2]
-    finally:
-        a.close()
-        b.close()
-        engine.close()
+    assert two_users_share(max_wait=0.02, a_inside=0.002, a_outside=0.0, b_delay=0.0) == [1, 2]
 
 
 def test_a_request_that_just_left_its_step_is_waited_for() -> None:
-    """A server passes a step's tokens to its client between steps: B's forward waits for A's,
-    whose request left its step a moment ago (within ``max_wait``), and both share one."""
-    target = fast_target()
-    inner = target.forward_many
-    running = threading.Event()
-
-    def slow(calls):  # type: ignore[no-untyped-def]
-        running.set()
-        time.sleep(0.05)
-        return inner(calls)
-
-    target.forward_many = slow  # type: ignore[method-assign]
-    records: list[int] = []
-    engine = batched(target, FLAT_CURVE, max_wait_seconds=0.5)
-    assert engine.scheduler is not None
-    engine.scheduler.on_batch = lambda record: records.append(record.requests)
-    a, b = engine.scheduler.session(), engine.scheduler.session()
-
-    def user_a() -> None:
-        state = target.start()
-        for _ in range(2):
-            with a.step():
-                a.forward(state, torch.tensor([1, 2]), None, ArtifactNeeds())
-                target.commit(state, [0, 1])
-            time.sleep(0.1)  # sending the step's tokens, outside the step
-
-    def user_b() -> None:
-        running.wait()
-        time.sleep(0.1)  # A's forward has ended: A is between its steps
-        with b.step():
-            b.forward(target.start(), torch.tensor([3]), None, ArtifactNeeds())
-
-    try:
-        threads = [threading.Thread(target=user_a), threading.Thread(target=user_b)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert records == [1, 2]
-    finally:
-        a.close()
-        b.close()
-        engine.close()
+    """A server passes a step's tokens to its client between steps: B's forward (sent after A's
+    first ended) waits for A's, whose request left its step a moment ago (within ``max_wait``),
+    and both share one."""
+    assert two_users_share(max_wait=0.5, a_inside=0.0, a_outside=0.1, b_delay=0.1) == [1, 2]
 
 
 # -- the planner under load ---------------------------------------------------------------------
