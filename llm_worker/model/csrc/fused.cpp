@@ -94,7 +94,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// exp(x) per lane: Cephes' range reduction and polynomial (about 1 ulp); exp(x) = 0 below -88.37.
 // The largest of w[0 .. count), 8 lanes at a time (a max is exact: any order gives its bits).
 inline float max_of(const float* w, int64_t count) {
   __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -108,6 +107,7 @@ inline float max_of(const float* w, int64_t count) {
   return top;
 }
 
+// exp(x) per lane: Cephes' range reduction and polynomial (about 1 ulp); exp(x) = 0 below -88.37.
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
   __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
