@@ -233,6 +233,19 @@ def test_fused_attention_keeps_a_branching_tree_across_a_chunk_boundary(dtype: t
             assert_same_row(out, row, alone[step], (dtype, path, row))
 
 
+@pytest.mark.parametrize("fused", FUSED)
+def test_the_cache_is_bfloat16_with_bfloat16_weights_on_the_fused_kernels(fused: bool) -> None:
+    """The fused kernels keep bfloat16 weights' keys and values in bfloat16 (the forward tests
+    above run on it); the torch-operation path keeps its float32 cache."""
+    target = tiny_fast(torch.bfloat16, fused=fused)
+    state = prefilled(target, torch.arange(5))
+    expected = torch.bfloat16 if fused else torch.float32
+    keys, values = target.kv(state, 1)
+    assert keys.dtype == values.dtype == expected and keys.shape[1] == 5
+    assert target.kernel_info()["kv_cache_dtype"] == str(expected).removeprefix("torch.")
+    assert tiny_fast(torch.float32, fused=fused).kernel_info()["kv_cache_dtype"] == "float32"
+
+
 # -- the kernel choice --------------------------------------------------------------------------
 
 

@@ -127,6 +127,59 @@ def test_rope_store_rotates_and_writes_the_cache(fused: ModuleType, dtype: torch
         fused.rope_store(qkv, cos, sin, q, keys, values, rows, slots, long([7, 8, 30, 31, 64]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_into_a_bfloat16_cache_rounds_the_float32_keys(
+    fused: ModuleType, dtype: torch.dtype
+) -> None:
+    """A bfloat16 cache holds what a float32 one would, rounded to nearest even (keys after RoPE;
+    values exact from bfloat16 qkv); the queries do not change."""
+    gen = torch.Generator().manual_seed(3)
+    n = 4
+    qkv = torch.randn(n, (HEADS + 2 * KV) * D, generator=gen).to(dtype)
+    cos, sin = torch.randn(n, D, generator=gen), torch.randn(n, D, generator=gen)
+    rows, slots, where = long([0, 1, 2, 3]), long([1, 1, 0, 1]), long([2, 3, 9, 4])
+    written = []
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        keys, values = (t.bfloat16().to(cache_dtype) for t in cache(2, 16, 3))  # equal before
+        q = torch.empty(n, HEADS, D)
+        fused.rope_store(qkv, cos, sin, q, keys, values, rows, slots, where)
+        written.append((q, keys, values))
+    (q32, k32, v32), (q16, k16, v16) = written
+    assert torch.equal(q32, q16)
+    assert torch.equal(k32.bfloat16(), k16) and torch.equal(v32.bfloat16(), v16)
+    if dtype == torch.bfloat16:
+        assert torch.equal(v32, v16.float())  # bfloat16 values lose nothing
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the value sums' several-heads path
+def test_attention_over_a_bfloat16_cache_is_attention_over_its_float32_copy(
+    fused: ModuleType, head_dim: int
+) -> None:
+    """bfloat16 keys and values are widened exactly as they are read: the same bits as the float32
+    kernel on the cache's float32 copy, for decode rows, a prefill chunk, a tree and several slots."""
+    heads, kv, capacity = 9, 3, 320
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.randn(3, kv, capacity, head_dim, generator=gen).bfloat16()
+    values = torch.randn(3, kv, capacity, head_dim + 1, generator=gen).bfloat16()
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    cases = {  # name: (slot of each row, committed length of each row, visible new rows)
+        "decode rows of three slots": ([0, 1, 2], [7, 250, 300], torch.ones(3, 1, dtype=torch.bool)),
+        "prefill chunk": ([1] * 40, [200] * 40, chain(40)),
+        "tree": ([2] * 4, [130] * 4, tree),
+    }
+    for name, (slots, starts, visible) in cases.items():
+        m = len(slots)
+        q = torch.randn(m, heads, head_dim, generator=gen)
+        outs = []
+        for k, v in ((keys, values), (keys.float(), values.float())):
+            out = torch.empty(m, heads * head_dim)
+            fused.attention(q, k, v, long(list(range(m))), long(slots), long(starts), visible, 0.125, out)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), name
+    with pytest.raises(RuntimeError, match="one dtype"):
+        fused.attention(q, keys, values.float(), long([0]), long([0]), long([3]), chain(1), 0.125, out[:1])
+
+
 def attention_reference(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, visible: torch.Tensor
 ) -> torch.Tensor:

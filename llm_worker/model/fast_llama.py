@@ -270,9 +270,10 @@ class FastLlamaTarget(TargetModel):
         cfg = model.config
         self.eps = float(cfg.rms_norm_eps)
         self.dtype = model.get_input_embeddings().weight.dtype
-        # RoPE, the KV cache and attention run in float32 on CPU whatever the weights' dtype: CPU
-        # bfloat16 matmuls of attention's small shapes are ~3x slower than float32 ones here, and
-        # float32 keeps the softmax exact to more bits (flash attention accumulates in float32 too).
+        # RoPE and attention compute in float32 on CPU whatever the weights' dtype (the fused
+        # kernels' cache may hold bfloat16: ``kv_dtype``): CPU bfloat16 matmuls of attention's
+        # small shapes are ~3x slower than float32 ones here, and float32 keeps the softmax exact
+        # to more bits (flash attention accumulates in float32 too).
         self.attn_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.chunk = attention_chunk
         self.fused = (
@@ -285,6 +286,11 @@ class FastLlamaTarget(TargetModel):
             else None
         )
         """The fused kernels (``native``), or None: the forward's torch-operation path."""
+        self.kv_dtype = self.dtype if self.fused is not None else self.attn_dtype
+        """The KV cache's dtype: the weights' with the fused kernels (bfloat16 keys and values are
+        widened exactly as attention reads them: half the bytes a decode step reads from the cache
+        for the same float32 arithmetic; keys rounded once, after RoPE, as a bfloat16 model's
+        own cache holds them), the attention's (float32 on CPU) on the torch path."""
         group = info.num_heads // info.num_kv_heads
         self.attention_rows = (
             1
@@ -384,6 +390,7 @@ class FastLlamaTarget(TargetModel):
             "gemm_kernels": {role: k.name for role, k in self.kernels.items()},
             "weight_bytes_read": self.weight_bytes(read=True),
             "fused_kernels": self.fused is not None,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "attention_chunk": None if self.fused else self.chunk,
             "attention_min_rows": self.attention_rows,
             "grouped_attention": self.grouped_attention,
@@ -407,9 +414,9 @@ class FastLlamaTarget(TargetModel):
         last column is 1 (the attention's softmax denominator, see ``_attention``)."""
         i = self.info
         shape = (i.num_layers, slots, i.num_kv_heads, capacity, i.head_dim)
-        values = torch.zeros((*shape[:-1], i.head_dim + 1), dtype=self.attn_dtype, device=self.device)
+        values = torch.zeros((*shape[:-1], i.head_dim + 1), dtype=self.kv_dtype, device=self.device)
         values[..., -1] = 1
-        return torch.zeros(shape, dtype=self.attn_dtype, device=self.device), values
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device), values
 
     def _reserve(self, state: _KVState, needed: int) -> None:
         """Capacity for ``needed`` positions, rounded up to the attention's key chunks (a multiple

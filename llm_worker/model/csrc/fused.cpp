@@ -9,7 +9,8 @@
 // AVX2 + FMA, 8 float lanes, with AVX-512 versions of the attention and the packed GEMM where the
 // processor has it; built with -ffp-contract=off so that only the FMAs written here are fused.
 // Tensors in float32 or bfloat16 (converted to float32 on load, rounded to nearest even on store,
-// as torch does); the KV cache, RoPE tables and attention run in float32. Sections: vector
+// as torch does); RoPE tables and attention's arithmetic run in float32, over a KV cache held in
+// float32 or bfloat16 (widened exactly as it is read). Sections: vector
 // helpers, the thread pool, residual add + RMSNorm, SiLU·up, RoPE + the cache write, attention,
 // the GEMM over exactly quantised weights, the GEMM over bfloat16 weights.
 
@@ -285,6 +286,13 @@ void with_data(const torch::Tensor& t, const char* name, const F& f) {
   }
 }
 
+// f(keys' data, values' data), typed float* or BF16* by the cache's dtype (one for both).
+template <typename F>
+void with_cache(const torch::Tensor& keys, const torch::Tensor& values, const F& f) {
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values of one dtype");
+  with_data(keys, "keys", [&](auto* kp) { f(kp, values.data_ptr<std::remove_pointer_t<decltype(kp)>>()); });
+}
+
 // ---- residual add + RMSNorm ------------------------------------------------------------------
 
 // sum of squares of a row of `h` in a fixed order: four accumulators over blocks of 32, then
@@ -418,7 +426,8 @@ inline void rope_head(const float* x, const float* cos, const float* sin, float*
 
 // qkv [N, (H + 2 K) d] (float32 or bfloat16, as the GEMM gave it); for rows[j]: its queries,
 // rotated, into q [N, H, d] (float32), its keys rotated and its values into the cache
-// keys [S, K, capacity, d] / values [S, K, capacity, dv] at slot[j], position cache_pos[j].
+// keys [S, K, capacity, d] / values [S, K, capacity, dv] (both float32 or both bfloat16: a key is
+// rotated in float32, then rounded to nearest even) at slot[j], position cache_pos[j].
 // cos, sin [N, d]: each row's RoPE table rows.
 void rope_store(
     torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q, torch::Tensor keys,
@@ -428,8 +437,8 @@ void rope_store(
   const int64_t heads = q.size(1), d = q.size(2), kv = keys.size(1), capacity = keys.size(2), dv = values.size(3);
   TORCH_CHECK(d % 8 == 0 && keys.size(3) == d && dv >= d, "head_dim must be a multiple of 8");
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv) * d, "qkv width");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat
-      && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "q, cache and tables in float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+      "q and tables in float32");
   const int64_t m = rows.size(0), width = qkv.size(1), slots = keys.size(0);
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* sl = slot.data_ptr<int64_t>();
@@ -437,15 +446,15 @@ void rope_store(
   for (int64_t j = 0; j < m; ++j)
     TORCH_CHECK(row[j] >= 0 && row[j] < q.size(0) && sl[j] >= 0 && sl[j] < slots && pos[j] >= 0 && pos[j] < capacity,
         "row, slot or cache position out of range");
-  float *qo = q.data_ptr<float>(), *ko = keys.data_ptr<float>(), *vo = values.data_ptr<float>();
+  float* qo = q.data_ptr<float>();
   const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
-  auto run = [&](auto* src) {
+  auto run = [&](auto* src, auto* ko, auto* vo) {  // the cache's dtype: keys rounded once, after RoPE
     using T = std::remove_pointer_t<decltype(src)>;
     for_rows(m, 4 * width, [&](int64_t j) {
       const int64_t r = row[j];
       const T* x = src + r * width;
       const float *cr = c + r * d, *sr = s + r * d;
-      std::vector<float> buf(d);
+      std::vector<float> buf(d), rot(d);
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t i = 0; i < d; i += 8) store8(buf.data() + i, load8(x + h * d + i));
         rope_head(buf.data(), cr, sr, qo + (r * heads + h) * d, d);
@@ -453,26 +462,28 @@ void rope_store(
       for (int64_t h = 0; h < kv; ++h) {
         const int64_t at_cache = ((sl[j] * kv + h) * capacity + pos[j]);
         for (int64_t i = 0; i < d; i += 8) store8(buf.data() + i, load8(x + (heads + h) * d + i));
-        rope_head(buf.data(), cr, sr, ko + at_cache * d, d);
+        rope_head(buf.data(), cr, sr, rot.data(), d);
+        for (int64_t i = 0; i < d; i += 8) store8(ko + at_cache * d + i, load8(rot.data() + i));
         const T* v = x + (heads + kv + h) * d;
         for (int64_t i = 0; i < d; i += 8) store8(vo + at_cache * dv + i, load8(v + i));
       }
     });
   };
-  with_data(qkv, "qkv", run);
+  with_data(qkv, "qkv", [&](auto* src) { with_cache(keys, values, [&](auto* ko, auto* vo) { run(src, ko, vo); }); });
 }
 
 // ---- attention -------------------------------------------------------------------------------
 
 // Eight keys' dot products with q at once: each key's own accumulator over d in order, then one
 // fixed reduction tree (the same for every lane), so a key's score does not depend on its
-// neighbours in the block.
-inline __m256 dot8(const float* q, const float* const* k, int64_t d) {
+// neighbours in the block. Keys in float32 or bfloat16 (widened exactly on load).
+template <typename K>
+inline __m256 dot8(const float* q, const K* const* k, int64_t d) {
   __m256 a[8];
   for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     __m256 qv = _mm256_loadu_ps(q + i);
-    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + i), a[t]);
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, load8(k[t] + i), a[t]);
   }
   __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
   __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -480,18 +491,19 @@ inline __m256 dot8(const float* q, const float* const* k, int64_t d) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One query row and head: its query, its KV head's keys and values, and the scale.
+// One query row and head: its query, its KV head's keys and values (K: float or BF16), the scale.
+template <typename K>
 struct Job {
   const float* q;  // [d]
-  const float* keys;  // [capacity, d] of its KV head
-  const float* values;  // [capacity, dv]
+  const K* keys;  // [capacity, d] of its KV head
+  const K* values;  // [capacity, dv]
   int64_t d, dv;
   float scale;
 };
 
 // out = softmax(q . k * scale) · v over the keys at ``pos`` (in that order), 8 lanes at a time.
-template <typename T>
-void attend8(const Job& job, const std::vector<int64_t>& pos, T* o) {
+template <typename T, typename K>
+void attend8(const Job<K>& job, const std::vector<int64_t>& pos, T* o) {
   const int64_t count = static_cast<int64_t>(pos.size()), d = job.d;
   if (count == 0) {  // no visible key (never in a forward: a row sees itself)
     for (int64_t i = 0; i < d; i += 8) store8(o + i, _mm256_setzero_ps());
@@ -501,7 +513,7 @@ void attend8(const Job& job, const std::vector<int64_t>& pos, T* o) {
   w.resize((count + 7) / 8 * 8 + 16);
   const __m256 vscale = _mm256_set1_ps(job.scale);
   for (int64_t b = 0; b < count; b += 8) {
-    const float* kptr[8];
+    const K* kptr[8];
     for (int t = 0; t < 8; ++t) kptr[t] = job.keys + pos[std::min(b + t, count - 1)] * d;
     _mm256_storeu_ps(w.data() + b, _mm256_mul_ps(dot8(job.q, kptr, d), vscale));
   }
@@ -517,8 +529,8 @@ void attend8(const Job& job, const std::vector<int64_t>& pos, T* o) {
     const float wp = w[p];
     denom += wp;
     const __m256 vw = _mm256_set1_ps(wp);
-    const float* v = job.values + pos[p] * job.dv;
-    for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    const K* v = job.values + pos[p] * job.dv;
+    for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_fmadd_ps(vw, load8(v + 8 * i), acc[i]);
   }
   const __m256 vden = _mm256_set1_ps(denom);
   for (int64_t i = 0; i < blocks; ++i) store8(o + 8 * i, _mm256_div_ps(acc[i], vden));
@@ -543,13 +555,22 @@ SPECDRAFT_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
 }
 
+// 16 lanes from float32 or bfloat16 (widened exactly).
+SPECDRAFT_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+SPECDRAFT_AVX512 inline __m512 load16(const BF16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 // dot8 with 16-lane partial sums over d (d a multiple of 16), folded to 8 lanes, then the same tree.
-SPECDRAFT_AVX512 inline __m256 dot8_wide(const float* q, const float* const* k, int64_t d) {
+template <typename K>
+SPECDRAFT_AVX512 inline __m256 dot8_wide(const float* q, const K* const* k, int64_t d) {
   __m512 a[8];
   for (int t = 0; t < 8; ++t) a[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) {
     const __m512 qv = _mm512_loadu_ps(q + i);
-    for (int t = 0; t < 8; ++t) a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[t] + i), a[t]);
+    for (int t = 0; t < 8; ++t) a[t] = _mm512_fmadd_ps(qv, load16(k[t] + i), a[t]);
   }
   __m256 f[8];
   for (int t = 0; t < 8; ++t) f[t] = _mm256_add_ps(_mm512_castps512_ps256(a[t]), _mm512_extractf32x8_ps(a[t], 1));
@@ -568,10 +589,11 @@ SPECDRAFT_AVX512 inline __m256 dot8_wide(const float* q, const float* const* k, 
 // read once from memory for all the rows and heads (L1 after the first). A row's new keys (its
 // visible ones among the call's) follow per row, or, when every row is causal (a prefill chunk),
 // in the same blocked walk, each row up to its own last key.
+template <typename K>
 struct GroupJob {
   const float* q;  // [N, H, d] queries
-  const float* keys;  // [capacity, d] of the KV head
-  const float* values;  // [capacity, dv]
+  const K* keys;  // [capacity, d] of the KV head (K: float or BF16)
+  const K* values;  // [capacity, dv]
   const int64_t* row;  // the rows' q / out rows
   const bool* visible;  // [rows, width] each row's visible new keys
   int64_t rows, heads, head0, group, start, width, d, dv;
@@ -579,8 +601,9 @@ struct GroupJob {
 };
 
 // One pair's running sums over keys [lo, hi): positions pos[0 ..] (nullptr: the keys themselves).
+template <typename K>
 SPECDRAFT_AVX512 inline void sum_values(
-    const GroupJob& g, const float* w, const int64_t* pos, int64_t lo, int64_t hi, float* acc, float& denom) {
+    const GroupJob<K>& g, const float* w, const int64_t* pos, int64_t lo, int64_t hi, float* acc, float& denom) {
   __m512 a[16];
   const int64_t blocks = g.d / 16;
   for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
@@ -589,8 +612,8 @@ SPECDRAFT_AVX512 inline void sum_values(
     const float wv = w[p];
     den += wv;
     const __m512 vw = _mm512_set1_ps(wv);
-    const float* v = g.values + (pos != nullptr ? pos[p - lo] : p) * g.dv;
-    for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(v + 16 * i), a[i]);
+    const K* v = g.values + (pos != nullptr ? pos[p - lo] : p) * g.dv;
+    for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_fmadd_ps(vw, load16(v + 16 * i), a[i]);
   }
   denom = den;
   for (int64_t i = 0; i < blocks; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
@@ -600,9 +623,9 @@ SPECDRAFT_AVX512 inline void sum_values(
 // w + q * stride, its sums at acc + q * 64: each value row is loaded once for all of them and
 // the P independent chains keep the FMA units busy, each pair's sums still in key order (the same
 // bits as P calls of sum_values).
-template <int P>
+template <int P, typename K>
 SPECDRAFT_AVX512 inline void sum_values_pairs(
-    const GroupJob& g, const float* w, int64_t stride, int64_t lo, int64_t hi, float* acc, float* denom) {
+    const GroupJob<K>& g, const float* w, int64_t stride, int64_t lo, int64_t hi, float* acc, float* denom) {
   __m512 a[P][4];
   float den[P];
   for (int q = 0; q < P; ++q) {
@@ -610,9 +633,8 @@ SPECDRAFT_AVX512 inline void sum_values_pairs(
     for (int i = 0; i < 4; ++i) a[q][i] = _mm512_loadu_ps(acc + q * 64 + 16 * i);
   }
   for (int64_t p = lo; p < hi; ++p) {
-    const float* v = g.values + p * g.dv;
-    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                 v3 = _mm512_loadu_ps(v + 48);
+    const K* v = g.values + p * g.dv;
+    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int q = 0; q < P; ++q) {
       const float wv = w[q * stride + p];
       den[q] += wv;
@@ -629,16 +651,17 @@ SPECDRAFT_AVX512 inline void sum_values_pairs(
   }
 }
 
-// Asks for cache rows [lo, hi) of ``width`` floats ahead of use: a job's next block of keys or
+// Asks for cache rows [lo, hi) of ``width`` elements ahead of use: a job's next block of keys or
 // values streams in while the current one is summed (no effect on any result).
-inline void prefetch_rows(const float* base, int64_t lo, int64_t hi, int64_t width) {
+template <typename K>
+inline void prefetch_rows(const K* base, int64_t lo, int64_t hi, int64_t width) {
   const char* p = reinterpret_cast<const char*>(base + lo * width);
   const char* end = reinterpret_cast<const char*>(base + hi * width);
   for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
-template <typename T>
-SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
+template <typename T, typename K>
+SPECDRAFT_AVX512 void attend16_group(const GroupJob<K>& g, T* dst) {
   constexpr int64_t kBlock = 64;  // keys per block: 16 KB of keys, as much of values, stay in L1
   const int64_t pairs = g.rows * g.group, d = g.d, start = g.start, blocks = d / 16;
   const int64_t stride = (start + g.width + 15) / 16 * 16 + 16;
@@ -675,7 +698,7 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
       const float* q = query(pr);
       float* wp = w.data() + pr * stride;
       for (int64_t b = k0; b < hi; b += 8) {
-        const float* kptr[8];
+        const K* kptr[8];
         for (int t = 0; t < 8; ++t) kptr[t] = g.keys + std::min(b + t, last - 1) * d;
         _mm256_storeu_ps(wp + b, _mm256_mul_ps(dot8_wide(q, kptr, d), vscale));
       }
@@ -687,7 +710,7 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
     const float* q = query(pr);
     float* wp = w.data() + pr * stride + start;
     for (int64_t b = 0; b < n; b += 8) {
-      const float* kptr[8];
+      const K* kptr[8];
       for (int t = 0; t < 8; ++t) kptr[t] = g.keys + own[std::min(b + t, n - 1)] * d;
       _mm256_storeu_ps(wp + b, _mm256_mul_ps(dot8_wide(q, kptr, d), vscale));
     }
@@ -748,13 +771,16 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob& g, T* dst) {
 // the visible keys in cache order, w = exp(score - max), out = sum w v / sum w, both sums in the
 // order of the visible keys. A row's result depends only on its own visible keys: more rows in the
 // forward, and other rows' keys between its own, change nothing. Query head h reads KV head
-// h / (H / K). Output: out [N, H * d] (float32 or bfloat16) at row rows[j].
+// h / (H / K). q in float32; the cache's keys and values both float32 or both bfloat16 (widened
+// exactly: the same arithmetic as on their float32 copies). Output: out [N, H * d] (float32 or
+// bfloat16) at row rows[j].
 void attention(
     torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor rows, torch::Tensor slot,
     torch::Tensor start, torch::Tensor visible, double scale, torch::Tensor out) {
   for (auto* t : {&q, &keys, &values, &rows, &slot, &start, &visible, &out}) check_cpu(*t, "attention argument");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && visible.dim() == 2, "shapes");
   TORCH_CHECK(visible.scalar_type() == at::kBool, "visible must be bool");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   const int64_t heads = q.size(1), d = q.size(2), kv = keys.size(1), capacity = keys.size(2), dv = values.size(3);
   TORCH_CHECK(d % 8 == 0 && d <= 256 && keys.size(3) == d && dv >= d && heads % kv == 0, "head_dim");
   TORCH_CHECK(out.dim() == 2 && out.size(1) == heads * d, "out [N, H * d]");
@@ -766,7 +792,7 @@ void attention(
         && st[j] >= 0 && st[j] + width <= capacity, "row, slot or start out of range");
     longest = std::max(longest, st[j] + width);
   }
-  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   const bool* vis = visible.data_ptr<bool>();
   const float fscale = static_cast<float>(scale);
   if (has_avx512() && d % 16 == 0) {  // rows of a call (consecutive, same slot, prefix) in chunks, per KV head
@@ -781,22 +807,25 @@ void attention(
       chunks.emplace_back(j, e);
       j = e;
     }
-    auto run_grouped = [&](auto* dst) {
+    auto run_grouped = [&](auto* dst, const auto* kp, const auto* vp) {
+      using K = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
       const int64_t n = static_cast<int64_t>(chunks.size()) * kv;
       for_rows(n, 4 * longest * d * group * kChunk, [&](int64_t job) {
         const auto [j0, j1] = chunks[job / kv];
         const int64_t h = job % kv;
         const int64_t base = (sl[j0] * kv + h) * capacity;
-        const GroupJob g{qp, kp + base * d, vp + base * dv, row + j0, vis + j0 * width, j1 - j0, heads, h * group,
+        const GroupJob<K> g{qp, kp + base * d, vp + base * dv, row + j0, vis + j0 * width, j1 - j0, heads, h * group,
             group, st[j0], width, d, dv, fscale};
         attend16_group(g, dst);
       });
     };
-    with_data(out, "out", run_grouped);
+    with_data(out, "out", [&](auto* dst) {
+      with_cache(keys, values, [&](auto* kp, auto* vp) { run_grouped(dst, kp, vp); });
+    });
     return;
   }
-  auto run = [&](auto* dst) {
-    using T = std::remove_pointer_t<decltype(dst)>;
+  auto run = [&](auto* dst, const auto* kp, const auto* vp) {
+    using K = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     for_rows(m * heads, 4 * longest * d, [&](int64_t job) {
       const int64_t j = job / heads, h = job % heads;
       const int64_t base = (sl[j] * kv + h / group) * capacity;  // the KV head's first position
@@ -805,11 +834,11 @@ void attention(
       for (int64_t p = 0; p < st[j]; ++p) pos.push_back(p);
       for (int64_t i = 0; i < width; ++i)
         if (vis[j * width + i]) pos.push_back(st[j] + i);
-      const Job job_of_row{qp + (row[j] * heads + h) * d, kp + base * d, vp + base * dv, d, dv, fscale};
+      const Job<K> job_of_row{qp + (row[j] * heads + h) * d, kp + base * d, vp + base * dv, d, dv, fscale};
       attend8(job_of_row, pos, dst + row[j] * heads * d + h * d);
     });
   };
-  with_data(out, "out", run);
+  with_data(out, "out", [&](auto* dst) { with_cache(keys, values, [&](auto* kp, auto* vp) { run(dst, kp, vp); }); });
 }
 
 // ---- GEMM over exactly quantised weights -------------------------------------------------------
