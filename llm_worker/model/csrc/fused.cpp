@@ -600,32 +600,33 @@ struct GroupJob {
   float scale;
 };
 
-// One pair's running sums over keys [lo, hi): positions pos[0 ..] (nullptr: the keys themselves).
-template <typename K>
-SPECDRAFT_AVX512 inline void sum_values(
-    const GroupJob<K>& g, const float* w, const int64_t* pos, int64_t lo, int64_t hi, float* acc, float& denom) {
+// One pair's running sums over keys [lo, hi): key p's value row at values + pos[p - lo] * dv
+// (pos nullptr: + (p - lo) * dv), float32 or bfloat16.
+template <typename V>
+SPECDRAFT_AVX512 inline void sum_values(const V* values, int64_t d, int64_t dv, const float* w, const int64_t* pos,
+    int64_t lo, int64_t hi, float* acc, float& denom) {
   __m512 a[16];
-  const int64_t blocks = g.d / 16;
+  const int64_t blocks = d / 16;
   for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
   float den = denom;
   for (int64_t p = lo; p < hi; ++p) {
     const float wv = w[p];
     den += wv;
     const __m512 vw = _mm512_set1_ps(wv);
-    const K* v = g.values + (pos != nullptr ? pos[p - lo] : p) * g.dv;
+    const V* v = values + (pos != nullptr ? pos[p - lo] : p - lo) * dv;
     for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_fmadd_ps(vw, load16(v + 16 * i), a[i]);
   }
   denom = den;
   for (int64_t i = 0; i < blocks; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
 
-// sum_values for P pairs at once (head_dim 64: 4 P sums in registers), pair q's weights at
-// w + q * stride, its sums at acc + q * 64: each value row is loaded once for all of them and
-// the P independent chains keep the FMA units busy, each pair's sums still in key order (the same
-// bits as P calls of sum_values).
-template <int P, typename K>
-SPECDRAFT_AVX512 inline void sum_values_pairs(
-    const GroupJob<K>& g, const float* w, int64_t stride, int64_t lo, int64_t hi, float* acc, float* denom) {
+// sum_values for P pairs at once (head_dim 64: 4 P sums in registers) over float32 value rows
+// (key p's at values + (p - lo) * dv), pair q's weights at w + q * stride, its sums at
+// acc + q * 64: each value row is loaded once for all of them and the P independent chains keep
+// the FMA units busy, each pair's sums still in key order (the same bits as P calls of sum_values).
+template <int P, typename V>
+SPECDRAFT_AVX512 inline void sum_values_pairs(const V* values, int64_t dv, const float* w, int64_t stride,
+    int64_t lo, int64_t hi, float* acc, float* denom) {
   __m512 a[P][4];
   float den[P];
   for (int q = 0; q < P; ++q) {
@@ -633,7 +634,7 @@ SPECDRAFT_AVX512 inline void sum_values_pairs(
     for (int i = 0; i < 4; ++i) a[q][i] = _mm512_loadu_ps(acc + q * 64 + 16 * i);
   }
   for (int64_t p = lo; p < hi; ++p) {
-    const K* v = g.values + p * g.dv;
+    const V* v = values + (p - lo) * dv;
     const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int q = 0; q < P; ++q) {
       const float wv = w[q * stride + p];
@@ -651,6 +652,24 @@ SPECDRAFT_AVX512 inline void sum_values_pairs(
   }
 }
 
+// Cache rows [lo, hi) of ``width`` elements as float32, row p at the result + (p - lo) * width: a
+// float32 cache in place, a bfloat16 one widened (exactly) into ``scratch``, once for every pair
+// of a chunk's rows to read rather than once per pair (prefill: 24 pairs read each key).
+inline const float* widened(const float* base, int64_t lo, int64_t, int64_t width, std::vector<float>&) {
+  return base + lo * width;
+}
+
+SPECDRAFT_AVX512 inline const float* widened(
+    const BF16* base, int64_t lo, int64_t hi, int64_t width, std::vector<float>& scratch) {
+  const int64_t n = (hi - lo) * width;
+  scratch.resize(n);
+  const BF16* src = base + lo * width;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(scratch.data() + i, load16(src + i));
+  for (; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
+  return scratch.data();
+}
+
 // Asks for cache rows [lo, hi) of ``width`` elements ahead of use: a job's next block of keys or
 // values streams in while the current one is summed (no effect on any result).
 template <typename K>
@@ -665,7 +684,7 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob<K>& g, T* dst) {
   constexpr int64_t kBlock = 64;  // keys per block: 16 KB of keys, as much of values, stay in L1
   const int64_t pairs = g.rows * g.group, d = g.d, start = g.start, blocks = d / 16;
   const int64_t stride = (start + g.width + 15) / 16 * 16 + 16;
-  thread_local std::vector<float> w, acc, denom;
+  thread_local std::vector<float> w, acc, denom, key_block;
   thread_local std::vector<int64_t> tail, tails;
   w.resize(pairs * stride);
   acc.resize(pairs * d);
@@ -693,15 +712,23 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob<K>& g, T* dst) {
   for (int64_t k0 = 0; k0 < end; k0 += kBlock) {
     const int64_t k1 = std::min(end, k0 + kBlock);
     prefetch_rows(g.keys, k1, std::min(end, k1 + kBlock), d);
-    for (int64_t pr = 0; pr < pairs; ++pr) {
-      const int64_t last = reach(pr / g.group), hi = std::min(k1, last);
-      const float* q = query(pr);
-      float* wp = w.data() + pr * stride;
-      for (int64_t b = k0; b < hi; b += 8) {
-        const K* kptr[8];
-        for (int t = 0; t < 8; ++t) kptr[t] = g.keys + std::min(b + t, last - 1) * d;
-        _mm256_storeu_ps(wp + b, _mm256_mul_ps(dot8_wide(q, kptr, d), vscale));
+    auto score = [&](const auto* keys, int64_t first) SPECDRAFT_AVX512 {  // key p at keys + (p - first) * d
+      using KB = std::remove_const_t<std::remove_pointer_t<decltype(keys)>>;
+      for (int64_t pr = 0; pr < pairs; ++pr) {
+        const int64_t last = reach(pr / g.group), hi = std::min(k1, last);
+        const float* q = query(pr);
+        float* wp = w.data() + pr * stride;
+        for (int64_t b = k0; b < hi; b += 8) {  // b + 7 < k1 or last <= k1: within the block
+          const KB* kptr[8];
+          for (int t = 0; t < 8; ++t) kptr[t] = keys + (std::min(b + t, last - 1) - first) * d;
+          _mm256_storeu_ps(wp + b, _mm256_mul_ps(dot8_wide(q, kptr, d), vscale));
+        }
       }
+    };
+    if (g.rows > 1) {  // the block in float32 once for every row's heads (a bfloat16 cache widened)
+      score(widened(g.keys, k0, k1, d, key_block), k0);
+    } else {  // one row's heads: a bfloat16 cache widened as it is loaded
+      score(g.keys, 0);
     }
   }
   for (int64_t pr = 0; pr < pairs && !causal; ++pr) {
@@ -728,27 +755,28 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob<K>& g, T* dst) {
   for (int64_t k0 = 0; k0 < end; k0 += kBlock) {
     prefetch_rows(g.values, k0 + kBlock, std::min(end, k0 + 2 * kBlock), g.dv);
     const int64_t k1 = std::min(end, k0 + kBlock);
+    const K* vb = g.values + k0 * g.dv;  // key p's value at vb + (p - k0) * dv
     for (int64_t r = 0; r < g.rows; ++r) {  // a row's heads together: they share its last key
       const int64_t hi = std::min(k1, reach(r)), first = r * g.group, stop = first + g.group;
       if (hi <= k0) continue;
       for (int64_t pr = first; pr < stop; pr += d == 64 ? 3 : 1) {
         float *wp = w.data() + pr * stride, *ap = acc.data() + pr * d, *dp = denom.data() + pr;
         if (d != 64) {
-          sum_values(g, wp, nullptr, k0, hi, ap, *dp);
+          sum_values(vb, d, g.dv, wp, nullptr, k0, hi, ap, *dp);
           continue;
         }
         switch (std::min<int64_t>(3, stop - pr)) {
-          case 3: sum_values_pairs<3>(g, wp, stride, k0, hi, ap, dp); break;
-          case 2: sum_values_pairs<2>(g, wp, stride, k0, hi, ap, dp); break;
-          default: sum_values_pairs<1>(g, wp, stride, k0, hi, ap, dp);
+          case 3: sum_values_pairs<3>(vb, g.dv, wp, stride, k0, hi, ap, dp); break;
+          case 2: sum_values_pairs<2>(vb, g.dv, wp, stride, k0, hi, ap, dp); break;
+          default: sum_values_pairs<1>(vb, g.dv, wp, stride, k0, hi, ap, dp);
         }
       }
     }
   }
   for (int64_t pr = 0; pr < pairs && !causal; ++pr) {
     const int64_t r = pr / g.group;
-    sum_values(g, w.data() + pr * stride, tail.data() + r * g.width, start, start + tails[r], acc.data() + pr * d,
-        denom[pr]);
+    sum_values(g.values, d, g.dv, w.data() + pr * stride, tail.data() + r * g.width, start, start + tails[r],
+        acc.data() + pr * d, denom[pr]);
   }
   for (int64_t pr = 0; pr < pairs; ++pr) {
     T* o = dst + (g.row[pr / g.group] * g.heads + g.head0 + pr % g.group) * d;
