@@ -341,7 +341,9 @@ class Engine:
             if sampling.greedy
             else noise.choose(warp_logits(logits[None], sampling)[0], len(req.prompt_ids))
         )
-        confidence = top_probability(logits)
+        # the top-1 probability of the last row (the planner's and the gate's feature; a mode that
+        # never drafts skips the pass over the vocabulary)
+        confidence = top_probability(logits) if planner is not None else 0.0
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
         request_state = RequestState()
@@ -391,7 +393,9 @@ class Engine:
             t1 = time.perf_counter()
             step = verification_for(draft).step(target, state, out.root, draft, needs, decide, out.length)
             artifacts.record(step.forward, step.rows)
-            step_confidence, confidence = confidence, top_probability(step.forward.logits[step.rows[-1]])
+            step_confidence = confidence
+            if planner is not None:
+                confidence = top_probability(step.forward.logits[step.rows[-1]])
             t2 = time.perf_counter()
 
             emitted = out.emit(step.tokens, step.sources, drafter.name)
