@@ -150,7 +150,7 @@ class GlideDrafter(Drafter):
         positions = torch.arange(start, start + n)
         buffers = ctx.kv_buffers(self.cfg.target_layer) if self.fast is not None else None
         fusable = buffers is not None and buffers.keys.dtype in (torch.float32, torch.bfloat16)
-        if self.fast is not None and buffers is not None and fusable:
+        if self.fast is not None and fusable:
             if state.fused is None:
                 state.fused = self.fast.new_kv()
             if state.fused.length == 0 and self.window and n > self.window:

@@ -414,8 +414,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // ---- RoPE and the KV cache write ------------------------------------------------------------
 
-// One head's RoPE: out = x * cos + (x2, x1) * sin_signed (sin_signed = (-sin1, sin2)).
-inline void rope_head(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+// One head's RoPE: out = x * cos + (x2, x1) * sin_signed (sin_signed = (-sin1, sin2)), in float32,
+// stored as O (float32, or bfloat16 rounded to nearest even).
+template <typename O>
+inline void rope_head(const float* x, const float* cos, const float* sin, O* out, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < d; i += 8) {
     const int64_t partner = i < half ? i + half : i - half;
@@ -454,7 +456,7 @@ void rope_store(
       const int64_t r = row[j];
       const T* x = src + r * width;
       const float *cr = c + r * d, *sr = s + r * d;
-      std::vector<float> buf(d), rot(d);
+      std::vector<float> buf(d);
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t i = 0; i < d; i += 8) store8(buf.data() + i, load8(x + h * d + i));
         rope_head(buf.data(), cr, sr, qo + (r * heads + h) * d, d);
@@ -462,8 +464,7 @@ void rope_store(
       for (int64_t h = 0; h < kv; ++h) {
         const int64_t at_cache = ((sl[j] * kv + h) * capacity + pos[j]);
         for (int64_t i = 0; i < d; i += 8) store8(buf.data() + i, load8(x + (heads + h) * d + i));
-        rope_head(buf.data(), cr, sr, rot.data(), d);
-        for (int64_t i = 0; i < d; i += 8) store8(ko + at_cache * d + i, load8(rot.data() + i));
+        rope_head(buf.data(), cr, sr, ko + at_cache * d, d);
         const T* v = x + (heads + kv + h) * d;
         for (int64_t i = 0; i < d; i += 8) store8(vo + at_cache * dv + i, load8(v + i));
       }
@@ -600,33 +601,32 @@ struct GroupJob {
   float scale;
 };
 
-// One pair's running sums over keys [lo, hi): key p's value row at values + pos[p - lo] * dv
-// (pos nullptr: + (p - lo) * dv), float32 or bfloat16.
-template <typename V>
-SPECDRAFT_AVX512 inline void sum_values(const V* values, int64_t d, int64_t dv, const float* w, const int64_t* pos,
-    int64_t lo, int64_t hi, float* acc, float& denom) {
+// One pair's running sums over keys [lo, hi): positions pos[0 ..] (nullptr: the keys themselves).
+template <typename K>
+SPECDRAFT_AVX512 inline void sum_values(
+    const GroupJob<K>& g, const float* w, const int64_t* pos, int64_t lo, int64_t hi, float* acc, float& denom) {
   __m512 a[16];
-  const int64_t blocks = d / 16;
+  const int64_t blocks = g.d / 16;
   for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
   float den = denom;
   for (int64_t p = lo; p < hi; ++p) {
     const float wv = w[p];
     den += wv;
     const __m512 vw = _mm512_set1_ps(wv);
-    const V* v = values + (pos != nullptr ? pos[p - lo] : p - lo) * dv;
+    const K* v = g.values + (pos != nullptr ? pos[p - lo] : p) * g.dv;
     for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_fmadd_ps(vw, load16(v + 16 * i), a[i]);
   }
   denom = den;
   for (int64_t i = 0; i < blocks; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
 
-// sum_values for P pairs at once (head_dim 64: 4 P sums in registers) over float32 value rows
-// (key p's at values + (p - lo) * dv), pair q's weights at w + q * stride, its sums at
-// acc + q * 64: each value row is loaded once for all of them and the P independent chains keep
-// the FMA units busy, each pair's sums still in key order (the same bits as P calls of sum_values).
-template <int P, typename V>
-SPECDRAFT_AVX512 inline void sum_values_pairs(const V* values, int64_t dv, const float* w, int64_t stride,
-    int64_t lo, int64_t hi, float* acc, float* denom) {
+// sum_values for P pairs at once (head_dim 64: 4 P sums in registers), pair q's weights at
+// w + q * stride, its sums at acc + q * 64: each value row is loaded once for all of them and
+// the P independent chains keep the FMA units busy, each pair's sums still in key order (the same
+// bits as P calls of sum_values).
+template <int P, typename K>
+SPECDRAFT_AVX512 inline void sum_values_pairs(
+    const GroupJob<K>& g, const float* w, int64_t stride, int64_t lo, int64_t hi, float* acc, float* denom) {
   __m512 a[P][4];
   float den[P];
   for (int q = 0; q < P; ++q) {
@@ -634,7 +634,7 @@ SPECDRAFT_AVX512 inline void sum_values_pairs(const V* values, int64_t dv, const
     for (int i = 0; i < 4; ++i) a[q][i] = _mm512_loadu_ps(acc + q * 64 + 16 * i);
   }
   for (int64_t p = lo; p < hi; ++p) {
-    const V* v = values + (p - lo) * dv;
+    const K* v = g.values + p * g.dv;
     const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int q = 0; q < P; ++q) {
       const float wv = w[q * stride + p];
@@ -755,28 +755,27 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob<K>& g, T* dst) {
   for (int64_t k0 = 0; k0 < end; k0 += kBlock) {
     prefetch_rows(g.values, k0 + kBlock, std::min(end, k0 + 2 * kBlock), g.dv);
     const int64_t k1 = std::min(end, k0 + kBlock);
-    const K* vb = g.values + k0 * g.dv;  // key p's value at vb + (p - k0) * dv
     for (int64_t r = 0; r < g.rows; ++r) {  // a row's heads together: they share its last key
       const int64_t hi = std::min(k1, reach(r)), first = r * g.group, stop = first + g.group;
       if (hi <= k0) continue;
       for (int64_t pr = first; pr < stop; pr += d == 64 ? 3 : 1) {
         float *wp = w.data() + pr * stride, *ap = acc.data() + pr * d, *dp = denom.data() + pr;
         if (d != 64) {
-          sum_values(vb, d, g.dv, wp, nullptr, k0, hi, ap, *dp);
+          sum_values(g, wp, nullptr, k0, hi, ap, *dp);
           continue;
         }
         switch (std::min<int64_t>(3, stop - pr)) {
-          case 3: sum_values_pairs<3>(vb, g.dv, wp, stride, k0, hi, ap, dp); break;
-          case 2: sum_values_pairs<2>(vb, g.dv, wp, stride, k0, hi, ap, dp); break;
-          default: sum_values_pairs<1>(vb, g.dv, wp, stride, k0, hi, ap, dp);
+          case 3: sum_values_pairs<3>(g, wp, stride, k0, hi, ap, dp); break;
+          case 2: sum_values_pairs<2>(g, wp, stride, k0, hi, ap, dp); break;
+          default: sum_values_pairs<1>(g, wp, stride, k0, hi, ap, dp);
         }
       }
     }
   }
   for (int64_t pr = 0; pr < pairs && !causal; ++pr) {
     const int64_t r = pr / g.group;
-    sum_values(g.values, d, g.dv, w.data() + pr * stride, tail.data() + r * g.width, start, start + tails[r],
-        acc.data() + pr * d, denom[pr]);
+    sum_values(g, w.data() + pr * stride, tail.data() + r * g.width, start, start + tails[r], acc.data() + pr * d,
+        denom[pr]);
   }
   for (int64_t pr = 0; pr < pairs; ++pr) {
     T* o = dst + (g.row[pr / g.group] * g.heads + g.head0 + pr % g.group) * d;
