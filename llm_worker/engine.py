@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -341,9 +341,11 @@ class Engine:
             if sampling.greedy
             else noise.choose(warp_logits(logits[None], sampling)[0], len(req.prompt_ids))
         )
-        # the top-1 probability of the last row (the planner's and the gate's feature; a mode that
-        # never drafts skips the pass over the vocabulary)
-        confidence = top_probability(logits) if planner is not None else 0.0
+        # the top-1 probability of the last row: the planner's and the gate's feature, a pass over
+        # the vocabulary made only before a step that drafts
+        last_row: torch.Tensor = logits
+        confidence = 0.0
+        measured = False
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
         request_state = RequestState()
@@ -351,6 +353,12 @@ class Engine:
 
         plain_step: float | None = None  # seconds of a step that verified no draft, measured
         gap = False  # the last step did not draft
+        # Under load every request's step is waited for by the next forward, so drafting time
+        # is priced into the plan (``BatchLoad.draft_seconds``: this request's mean), and after
+        # a plan that kept nothing the next 1, 2, 4 … 16 steps do not draft at all (the wait
+        # doubles while plans keep coming back empty; no load resets it).
+        draft_seconds = 0.0
+        pause = skip = 0
         while not out.finish:
             # propose
             t0 = time.perf_counter()
@@ -358,6 +366,15 @@ class Engine:
             remaining = req.max_new_tokens - len(out.generated)
             budget = planner.step_budget(remaining, req.draft_budget) if planner is not None else NO_BUDGET
             drafting = planner is not None and budget.tree_nodes > 0
+            loaded = session is not None and session.load().rows > 0
+            if not loaded:
+                pause = skip = 0
+            elif drafting and skip:
+                skip -= 1
+                drafting = False
+                stats.gated_steps += 1
+            if drafting and not measured:
+                confidence, measured = top_probability(last_row), True
             if planner is not None and drafting and drafter.gated:
                 with rt.lock:
                     drafting = planner.gate.open(confidence)
@@ -386,16 +403,22 @@ class Engine:
                         draft = DraftTree.empty()
                     if len(draft):
                         load = session.load() if session is not None else ALONE
+                        if load.rows:
+                            load = replace(load, draft_seconds=draft_seconds)
                         draft = verification_for(draft).plan(
                             planner, draft, out.length, confidence, budget, load
                         )
+                if loaded:
+                    pause = 0 if len(draft) else min(2 * pause or 1, 16)
+                    skip = pause
             # one target forward over the root and the draft, verify, commit
             t1 = time.perf_counter()
+            if drafting:
+                draft_seconds = t1 - t0 if not draft_seconds else 0.9 * draft_seconds + 0.1 * (t1 - t0)
             step = verification_for(draft).step(target, state, out.root, draft, needs, decide, out.length)
             artifacts.record(step.forward, step.rows)
             step_confidence = confidence
-            if planner is not None:
-                confidence = top_probability(step.forward.logits[step.rows[-1]])
+            last_row, measured = step.forward.logits[step.rows[-1]], False
             t2 = time.perf_counter()
 
             emitted = out.emit(step.tokens, step.sources, drafter.name)

@@ -12,6 +12,7 @@ import gc
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -394,6 +395,25 @@ def test_speculation_backs_off_as_the_forward_fills(per_token: float) -> None:
     for _ in range(40):  # off means off: no exploring under load
         assert kept(BatchLoad(rows=63, tokens=63)) == 0
     assert kept(ALONE) == alone
+
+
+def test_under_load_a_plan_pays_for_the_drafting_time_too() -> None:
+    """Between forwards the scheduler waits for every request's step, so under load a plan is
+    charged the request's drafting time: a draft whose nodes just pay for their rows is dropped
+    once drafting takes a tenth of the forward; alone the time changes nothing (it is spent)."""
+    curve = CostCurve.linear(0.010, 0.0005, sizes=(1, 65))
+    planner = DraftPlanner(curve, PlannerConfig(prior_accept=0.5, prior_weight=1000.0))
+    chain = draft_chain(2)
+
+    def kept(load: BatchLoad) -> int:
+        return len(planner.plan(chain, 100, 0.5, load=load).tree)
+
+    assert kept(BatchLoad(rows=7, tokens=7)) > 0
+    assert kept(BatchLoad(rows=7, tokens=7, draft_seconds=0.0015)) == 0
+    assert kept(replace(ALONE, draft_seconds=0.0015)) == kept(ALONE) > 0
+    load = BatchLoad(rows=7, tokens=7, draft_seconds=0.002)
+    assert load.drafting_cost(curve, 1, 100) == load.cost(curve, 1, 100)  # the root alone: no drafting
+    assert load.drafting_cost(curve, 3, 100) == pytest.approx(load.cost(curve, 3, 100) + 0.002)
 
 
 def test_a_measured_batch_forward_prices_drafts_by_what_it_took() -> None:
