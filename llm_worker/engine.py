@@ -26,7 +26,7 @@ from llm_worker.config import EngineConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
 from llm_worker.logits import argmax, top_probability
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
-from llm_worker.planner import ALONE, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
+from llm_worker.planner import ALONE, BatchLoad, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.results import GenerationResult, Provenance
 from llm_worker.sampling import SamplingNoise, warp_logits
 from llm_worker.stats import GenerationStats
@@ -67,10 +67,9 @@ class StepOutput:
     token_ids: list[int]
 
 
-def _pricer(planner: DraftPlanner, session: BatchSession | None, length: int) -> Callable[[int], float]:
+def _pricer(planner: DraftPlanner, load: BatchLoad, length: int) -> Callable[[int], float]:
     """Seconds of a forward of the root and n draft tokens at ``length``, beside the batch's
-    other rows when there is a batch (what the planner prices a plan at)."""
-    load = session.load() if session is not None else ALONE
+    other rows under ``load`` (what the planner prices a plan at)."""
     return lambda n: load.cost(planner.curve, 1 + n, length)
 
 
@@ -366,7 +365,10 @@ class Engine:
             remaining = req.max_new_tokens - len(out.generated)
             budget = planner.step_budget(remaining, req.draft_budget) if planner is not None else NO_BUDGET
             drafting = planner is not None and budget.tree_nodes > 0
-            loaded = session is not None and session.load().rows > 0
+            # the others in the forward, one snapshot a step (it takes the scheduler's lock);
+            # under load it carries this request's drafting time for the plan
+            load = replace(session.load(), draft_seconds=draft_seconds) if session is not None else ALONE
+            loaded = load.rows > 0
             if not loaded:
                 pause = skip = 0
             elif drafting and skip:
@@ -379,7 +381,7 @@ class Engine:
                 with rt.lock:
                     drafting = planner.gate.open(confidence)
                 stats.gated_steps += int(not drafting)
-            price = _pricer(planner, session, out.length) if planner is not None and drafting else None
+            price = _pricer(planner, load, out.length) if planner is not None and drafting else None
             if planner is not None and drafting:
                 ctx = DraftContext(
                     out.context(),
@@ -402,9 +404,6 @@ class Engine:
                         self.dropped_drafts += 1
                         draft = DraftTree.empty()
                     if len(draft):
-                        load = session.load() if session is not None else ALONE
-                        if load.rows:
-                            load = replace(load, draft_seconds=draft_seconds)
                         draft = verification_for(draft).plan(
                             planner, draft, out.length, confidence, budget, load
                         )
