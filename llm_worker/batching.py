@@ -22,7 +22,9 @@ forward waiting always goes, whatever its size); the rest wait for the next.
 Lossless: the fast backend's forward is batch-invariant (``fast_llama``), so a request's logits
 are bit-identical whatever else shares its forward. If a forward over several requests fails
 (one request's input is bad), each request's forward is run alone, so only that request gets
-the error.
+the error. A fault of the scheduler's own fails the forwards it was running (or, if its loop
+itself fails, every forward waiting and every later one) with an error: no request waits for
+ever. Neither the scheduler nor an error it hands back keeps a request's KV state alive.
 
 The load each request sees (``BatchLoad``: the rows and the tokens of the *other* requests in
 the last forward) prices its drafts (``DraftPlanner.plan``): a draft node must pay for its share
@@ -131,12 +133,15 @@ class BatchScheduler:
         return self.requests / self.forwards if self.forwards else 0.0
 
     def load_for(self, session: BatchSession) -> BatchLoad:
-        """What else the request's next forward will probably carry: every other active
-        request's rows and tokens of its last forward."""
+        """What else the request's next forward will probably carry: the rows and tokens of
+        the last forward of every other request that is expected in it (inside a step, or just
+        out of one) — a stream whose client reads slowly, or a request done but not yet closed,
+        adds no load."""
         rows = tokens = 0.0
         with self._cond:
+            now = time.perf_counter()
             for other in self._sessions:
-                if other is not session and other.last_rows:
+                if other is not session and other.last_rows and self._expected(other, now):
                     rows += other.last_rows
                     tokens += other.last_tokens
         if not rows:
@@ -154,8 +159,14 @@ class BatchScheduler:
             self._pending.append(item)
             self._cond.notify_all()
         item.done.wait()
-        if item.error is not None:
-            raise item.error
+        error, item.error = item.error, None
+        if error is not None:
+            # the error's traceback holds the scheduler's frame, whose batch holds the item: drop
+            # both references, or the cycle keeps the request's KV state until a full collection
+            try:
+                raise error
+            finally:
+                error = item = None  # type: ignore[assignment]
         assert item.output is not None
         return item.output
 
@@ -198,22 +209,39 @@ class BatchScheduler:
         return taken
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopped and not self._ready(time.perf_counter()):
+                        if self._pending:
+                            left = self._deadline() - time.perf_counter()
+                            self._cond.wait(timeout=max(left, 1e-4))
+                        else:
+                            self._cond.wait()
+                    if self._stopped:
+                        return
+                    batch = self._take()
+                try:
+                    self._run(batch)
+                except BaseException as exc:  # the scheduler's own fault: these fail, it goes on
+                    for item in batch:
+                        if not item.done.is_set():
+                            item.error = RuntimeError(f"the batch scheduler failed this forward: {exc!r}")
+                            item.done.set()
+                    if not isinstance(exc, Exception):
+                        raise
+                    log.exception("the batch scheduler failed a forward of %d requests", len(batch))
+                finally:
+                    batch = []  # not held while the scheduler waits: the requests' states may go
+        except Exception:
+            log.exception("the batch scheduler stopped on an error; its requests fail from now on")
+        finally:  # stopped, or the thread itself fails: nobody waits for ever, and new forwards are refused
             with self._cond:
-                while not self._stopped and not self._ready(time.perf_counter()):
-                    if self._pending:
-                        left = self._deadline() - time.perf_counter()
-                        self._cond.wait(timeout=max(left, 1e-4))
-                    else:
-                        self._cond.wait()
-                if self._stopped:
-                    for item in self._pending:
-                        item.error = RuntimeError("the batch scheduler has stopped")
-                        item.done.set()
-                    self._pending = []
-                    return
-                batch = self._take()
-            self._run(batch)
+                self._stopped = True
+                for item in self._pending:
+                    item.error = RuntimeError("the batch scheduler has stopped")
+                    item.done.set()
+                self._pending = []
 
     def _run(self, batch: list[_Pending]) -> None:
         rows = sum(int(p.call.tokens.shape[0]) for p in batch)
@@ -233,7 +261,10 @@ class BatchScheduler:
         self.forwards += 1
         self.requests += len(batch)
         if self.on_batch is not None:
-            self.on_batch(BatchRecord(len(batch), rows))
+            try:
+                self.on_batch(BatchRecord(len(batch), rows))
+            except Exception:  # metrics must not fail the requests
+                log.exception("the batch scheduler's on_batch callback failed")
         self._free_since = time.perf_counter()
         seconds = self._free_since - began
         for item, out in zip(batch, outputs, strict=True):

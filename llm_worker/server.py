@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,17 @@ def prompt_bytes(msg: generation_pb2.GenerateRequest) -> int:
 _DONE = object()
 
 
+def _close_after(step: Future[Any] | None, steps: Iterator[Any]) -> None:
+    """Close the engine's generator (which frees its KV cache and leaves the batch) once the
+    step a cancelled call left running has returned: a generator cannot be closed while it runs."""
+    if step is not None:
+        with contextlib.suppress(BaseException):  # its outcome no longer matters, only its end
+            step.result()
+    close = getattr(steps, "close", None)
+    if close is not None:
+        close()
+
+
 class _Call:
     """One RPC as the metrics see it."""
 
@@ -173,6 +184,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics.in_flight.inc()
         loop = asyncio.get_running_loop()
         steps: Iterator[StepOutput | GenerationResult] | None = None
+        step: Future[Any] | None = None  # the step running on the pool, if any
         ends = time.monotonic() + self.cfg.max_generation_seconds
         try:
             size = prompt_bytes(request)
@@ -188,7 +200,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 await self._abort(context, call, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             steps = self.worker.stream(gen)
             while True:
-                item = await loop.run_in_executor(self.executor, next, steps, _DONE)
+                step = self.executor.submit(next, steps, _DONE)
+                item = await asyncio.wrap_future(step)
                 if item is _DONE:
                     return
                 assert isinstance(item, StepOutput | GenerationResult)
@@ -206,14 +219,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     message = f"the generation ran past this worker's limit of {limit:g} s"
                     await self._abort(context, call, grpc.StatusCode.DEADLINE_EXCEEDED, message)
         finally:
-            self.active -= 1
-            self.metrics.in_flight.dec()
-            if steps is not None:
-                # Closing the generator frees its KV cache; run it off the event loop.
-                close = getattr(steps, "close", None)
-                if close is not None:
+            try:
+                if steps is not None:
+                    # off the event loop, after a step a cancellation left running (it still holds
+                    # a pool thread and the model's forwards, so it still counts as active)
                     with contextlib.suppress(Exception):
-                        await loop.run_in_executor(self.executor, close)
+                        await loop.run_in_executor(self.executor, _close_after, step, steps)
+            finally:
+                self.active -= 1
+                self.metrics.in_flight.dec()
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -285,6 +285,92 @@ def test_a_bad_forward_fails_its_request_alone() -> None:
         engine.close()
 
 
+def test_a_failed_forward_lets_go_of_its_request_state_at_once() -> None:
+    """The error of a forward that failed does not keep the request's KV state alive (its
+    traceback holds the scheduler's frame, which holds the request): without the garbage
+    collector, the state is gone once the request has handled the error."""
+    import weakref
+
+    target = fast_target()
+    engine = batched(target, FLAT_CURVE)
+    gc.disable()
+    try:
+        assert engine.scheduler is not None
+        session = engine.scheduler.session()
+        states = [target.start()]
+        states[0].length = target.info.max_context  # as if full: the forward fails
+        ref = weakref.ref(states[0])
+        seen: list[str] = []
+
+        def call() -> None:
+            try:
+                session.forward(states.pop(), torch.tensor([1, 2]), None, ArtifactNeeds())
+            except ValueError as exc:
+                seen.append(str(exc))
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+        assert seen and "exceeds" in seen[0]
+        assert ref() is None, "the failed request's KV state is still referenced"
+        session.close()
+    finally:
+        gc.enable()
+        engine.close()
+
+
+def test_a_fault_of_the_scheduler_fails_requests_instead_of_hanging_them() -> None:
+    """A failing ``on_batch`` (the metrics) costs nothing; a fault in the scheduler's own loop
+    fails the forwards waiting and every later one at once, and never leaves a request waiting."""
+    target = fast_target()
+    engine = batched(target, FLAT_CURVE)
+    try:
+        scheduler = engine.scheduler
+        assert scheduler is not None
+
+        def broken_metrics(record: object) -> None:
+            raise ZeroDivisionError("metrics")
+
+        scheduler.on_batch = broken_metrics
+        req = GenerationRequest((1, 2, 3, 4), 6, "ar", stop_at_eos=False)
+        assert len(engine.generate(req).token_ids) == 6
+
+        def broken_take() -> list:
+            raise RuntimeError("scheduler bug")
+
+        scheduler._take = broken_take  # type: ignore[method-assign]
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(engine.generate, req) for _ in range(2)]
+            for future in futures:
+                with pytest.raises(RuntimeError, match="has stopped"):
+                    future.result(timeout=30)
+        with pytest.raises(RuntimeError, match="has stopped"):
+            engine.generate(req)
+    finally:
+        engine.close()
+
+
+def test_only_requests_expected_in_the_next_forward_count_as_load() -> None:
+    """A request between steps for longer than the wait (a slow reader, or done but not closed)
+    adds no load; one inside a step does."""
+    engine = batched(fast_target(), FLAT_CURVE, max_wait_seconds=0.05)
+    try:
+        assert engine.scheduler is not None
+        me, other = engine.scheduler.session(), engine.scheduler.session()
+        other.last_rows, other.last_tokens = 3, 2.0
+        other.step_ended = time.perf_counter() - 1.0  # left its last step a second ago
+        assert me.load() == ALONE
+        with other.step():
+            assert me.load().rows == 3 and me.load().tokens == 2.0
+        assert me.load().rows == 3  # just out of its step: still expected
+        time.sleep(0.06)
+        assert me.load() == ALONE
+        me.close()
+        other.close()
+    finally:
+        engine.close()
+
+
 def test_forwards_respect_the_row_cap() -> None:
     target = fast_target()
     seen: list[int] = []

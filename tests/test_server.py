@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +19,7 @@ from client.cli import main
 from client.grpc_client import GenerationClient, RequestOptions, build_request, response_to_json
 from helpers.servers import ServerThread, free_port, scrape, tiny_worker, wait_until
 from llm_worker.config import SamplingParams
-from llm_worker.engine import GenerationRequest
+from llm_worker.engine import GenerationRequest, StepOutput
 from llm_worker.server import ServerConfig
 from llm_worker.worker import Worker
 from specdraft.stubs import generation_pb2, generation_pb2_grpc
@@ -199,6 +201,62 @@ def test_deadline_and_cancellation_stop_decoding(worker: Worker, server: ServerT
         )
         assert count(method, "OK") == ok, f"the {method} call decoded to the end"
     wait_until(lambda: server.server.servicer.active == 0, what="the server lets go of both calls")
+
+
+class _BlockingSteps:
+    """An engine stream whose second step blocks until released; records how it was closed."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.closed: list[str] = []  # "closed", or the error close() raised
+        self._inner = self._steps()
+
+    def _steps(self) -> Iterator[StepOutput]:
+        yield StepOutput([1])
+        self.entered.set()
+        self.release.wait(30)
+        yield StepOutput([2])
+        yield StepOutput([3])
+
+    def __iter__(self) -> _BlockingSteps:
+        return self
+
+    def __next__(self) -> StepOutput:
+        return next(self._inner)
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        except Exception as exc:
+            self.closed.append(repr(exc))
+            raise
+        self.closed.append("closed")
+
+
+def test_a_call_cancelled_mid_step_closes_its_stream_once_the_step_returns(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that goes away while a step runs on the pool: the step cannot be interrupted, so
+    the call stays active until it returns, and then its stream is closed (which frees its KV
+    cache and leaves the batch) — not left for the garbage collector."""
+    steps = _BlockingSteps()
+    monkeypatch.setattr(worker, "stream", lambda gen: steps)
+    srv = start(worker, max_concurrent=2)
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stream = generation_pb2_grpc.GenerationStub(channel).GenerateStream(LONG, timeout=60)
+            next(stream)
+            assert steps.entered.wait(10)
+            stream.cancel()
+            time.sleep(0.3)
+            assert srv.server.servicer.active == 1 and steps.closed == []  # the step still runs
+            steps.release.set()
+            wait_until(lambda: steps.closed != [], what="the stream is closed")
+            assert steps.closed == ["closed"]
+            wait_until(lambda: srv.server.servicer.active == 0, what="the server lets go of the call")
+    finally:
+        steps.release.set()
+        srv.stop()
 
 
 def test_graceful_stop_finishes_calls_in_flight_and_refuses_new_ones(worker: Worker) -> None:
