@@ -188,6 +188,30 @@ def test_concurrent_requests_of_mixed_modes_equal_solo_ar(dtype: torch.dtype, he
         engine.close()
 
 
+def test_requests_that_stop_at_the_end_token_in_a_batch_equal_their_solo_runs(heads_file: Path) -> None:
+    """Seeded requests that stop at the end-of-sequence token (some do, mid-batch; the others
+    run to their length) through one scheduler: each equals its solo run, token for token."""
+    target = fast_target()
+    solo = engine_for(target, CPU_LIKE_CURVE, heads_file)
+    engine = batched(target, CPU_LIKE_CURVE, heads_file)
+    try:
+        ps = prompts(target.info.vocab_size)
+        requests = [
+            GenerationRequest(
+                tuple(ps[i % len(ps)]), 60, MODES[i % len(MODES)], SamplingParams(temperature=1.5, seed=i)
+            )
+            for i in range(8)
+        ]
+        results = run_concurrently(engine, requests, stagger=0.002)
+        for req, res in zip(requests, results, strict=True):
+            ref = solo.generate(req)
+            assert (res.token_ids, res.finish_reason) == (ref.token_ids, ref.finish_reason), req.mode
+        assert {r.finish_reason for r in results} == {"stop", "length"}
+        assert engine.scheduler is not None and engine.scheduler.active == 0
+    finally:
+        engine.close()
+
+
 def test_seeded_sampling_in_a_batch_follows_the_exact_distribution(heads_file: Path) -> None:
     """SAMPLES seeded generations, eight at a time through one scheduler, per mode: χ² against
     the enumerated distribution; and each equals its own seed's solo generation."""
