@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from helpers.models import engine_for, greedy_tokens, prompts, tiny_target
@@ -44,3 +45,34 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
     assert drawn == {0, 1}  # 0.5 + 0.3 reaches 0.75: tokens 2 and 3 are cut
     drawn = {sample_top_p(logits, 1.0, 0.85, rng) for _ in range(400)}
     assert drawn == {0, 1, 2}
+
+
+def _nucleus_by_full_sort(
+    logits: torch.Tensor, temperature: float, top_p: float, rng: np.random.Generator
+) -> int:
+    """The definition: every token sorted likeliest first (ties by id), the shortest head that
+    reaches ``top_p``, one draw from it."""
+    scaled = logits.double().numpy() / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    ids = np.arange(probs.size)
+    order = ids[np.lexsort((ids, -probs))]
+    ordered = probs[order]
+    kept = min(int(np.searchsorted(np.cumsum(ordered), top_p)) + 1, order.size)
+    ordered = ordered[:kept] / ordered[:kept].sum()
+    return int(order[rng.choice(kept, p=ordered)])
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0, 20.0])
+def test_top_p_draws_what_a_sort_of_the_whole_vocabulary_draws(scale: float) -> None:
+    """Whichever candidate set serves (the tokens near the likeliest, the 1 024 likeliest, all),
+    the draw is the definition's, token for token for the same generator state; bfloat16-rounded
+    logits bring ties."""
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    for row in range(40):
+        logits = (torch.randn(4096, generator=gen) * scale).bfloat16().float()
+        logits[row % 7] += 2 * scale  # a clear favourite in some rows
+        for top_p in (0.5, 0.9, 0.95):
+            got = sample_top_p(logits, 0.8, top_p, np.random.default_rng([row, 1]))
+            want = _nucleus_by_full_sort(logits, 0.8, top_p, np.random.default_rng([row, 1]))
+            assert got == want, (scale, row, top_p)

@@ -26,6 +26,8 @@ from llm_worker.model.target import ForwardCall, SequenceState, TargetModel
 from llm_worker.types import ArtifactNeeds
 
 _NUCLEUS_FIRST = 1024
+_NUCLEUS_SPAN = 12.0
+"""Scaled-logit distance below the likeliest token searched first: a probability ratio of e^-12."""
 
 
 @dataclass
@@ -40,17 +42,26 @@ class _Running:
 def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, rng: np.random.Generator) -> int:
     """One token from ``softmax(logits / temperature)`` cut to the smallest set of most likely
     tokens whose probability reaches ``top_p`` (nucleus sampling). In numpy on one thread, as
-    ``llm_worker.logits`` (no OpenMP workers left spinning against the next forward); the
-    nucleus is looked for among the 1 024 likeliest tokens first (a partition, not a sort of the
-    whole vocabulary), in all of them if those do not reach ``top_p``."""
+    ``llm_worker.logits`` (no OpenMP workers left spinning against the next forward).
+
+    The nucleus is the head of the tokens sorted likeliest first (ties by id), so any *top set*
+    (every token at least as likely as its least likely member) whose mass reaches ``top_p``
+    contains it, and sorting that set gives the same head: the tokens within ``_NUCLEUS_SPAN`` of
+    the likeliest first (one comparison over the vocabulary), then the 1 024 likeliest (a
+    partition), then all of them — the same token for the same ``rng`` whichever set serves."""
     scaled = logits.detach().float().numpy().astype(np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
+    top = scaled.max()
+    probs = np.exp(scaled - top)
     probs /= probs.sum()
     candidates = np.arange(probs.size)
     if probs.size > _NUCLEUS_FIRST:
-        head = np.argpartition(-probs, _NUCLEUS_FIRST - 1)[:_NUCLEUS_FIRST]
-        if probs[head].sum() >= top_p:
-            candidates = head
+        near = np.flatnonzero(scaled >= top - _NUCLEUS_SPAN)  # a top set
+        if near.size <= _NUCLEUS_FIRST and probs[near].sum() >= top_p:
+            candidates = near
+        else:
+            head = np.argpartition(-probs, _NUCLEUS_FIRST - 1)[:_NUCLEUS_FIRST]
+            if probs[head].sum() >= top_p:
+                candidates = head
     order = candidates[np.lexsort((candidates, -probs[candidates]))]  # likeliest first, ties by id
     ordered = probs[order]
     kept = min(int(np.searchsorted(np.cumsum(ordered), top_p)) + 1, order.size)  # the first always kept
