@@ -140,6 +140,67 @@ def test_corrupt_or_missing_checkpoint_is_unavailable(
         DRAFTERS.create("glide", target, DraftResources(drafters_dir=tmp_path))
 
 
+def _rewrite(directory: Path, out: Path, edit_json=None, edit_tensors=None) -> None:  # type: ignore[no-untyped-def]
+    """A copy of ``directory``'s glide checkpoint in ``out``, its JSON and tensors edited (the JSON's
+    checksum follows the edited tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    from specdraft.common import sha256_file
+
+    record = json.loads((directory / "glide.json").read_text())
+    tensors = load_file(str(directory / "glide.safetensors"))
+    if edit_tensors is not None:
+        edit_tensors(tensors)
+    save_file(tensors, str(out / "glide.safetensors"))
+    record["weights"]["sha256"] = sha256_file(out / "glide.safetensors")
+    if edit_json is not None:
+        edit_json(record)
+    (out / "glide.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    ("edit_json", "edit_tensors", "message"),
+    [
+        (lambda r: r.pop("weights"), None, "malformed"),
+        (lambda r: r.update(target="x"), None, "malformed"),
+        (lambda r: r.update(config=None), None, "malformed"),
+        (lambda r: r["config"].update(hidden_size="big"), None, "not a usable GLIDE checkpoint"),
+        (lambda r: r["config"].update(surprise=1), None, "not a usable GLIDE checkpoint"),
+        (lambda r: r["config"].update(intermediate_size=32), None, "not a usable GLIDE checkpoint"),
+        (None, lambda t: t.update(draft_to_target=t["draft_to_target"] - 1), "not a list of token ids"),
+        (None, lambda t: t.update(draft_to_target=t["draft_to_target"] + 1000), "beyond the target"),
+        (None, lambda t: t.update(draft_to_target=t["draft_to_target"][:10]), "does not fit"),
+    ],
+    ids=["no-weights", "target", "config", "type", "field", "shapes", "negative", "beyond", "short"],
+)
+def test_a_malformed_checkpoint_is_unavailable_with_a_reason(
+    tiny_glide: tuple[object, Path],
+    tmp_path: Path,
+    edit_json,
+    edit_tensors,
+    message: str,  # type: ignore[no-untyped-def]
+) -> None:
+    """Every way a checkpoint can be wrong is a ``ModeUnavailableError`` naming it, never a raw
+    ``KeyError`` or ``RuntimeError``, and the worker's other modes stay listed."""
+    model, directory = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    _rewrite(directory, tmp_path, edit_json, edit_tensors)
+    with pytest.raises(ModeUnavailableError, match=message):
+        DRAFTERS.create("glide", target, DraftResources(drafters_dir=tmp_path))
+
+
+def test_a_dotted_output_name_keeps_its_dots(tiny_glide: tuple[object, Path], tmp_path: Path) -> None:
+    from llm_worker.drafters.checkpoint import save_checkpoint
+
+    model, directory = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    ckpt = load_checkpoint(directory / "glide.json", target.info.weights_id)
+    for name in ("glide.v1", "glide.v2"):
+        assert save_checkpoint(ckpt, tmp_path / name) == tmp_path / f"{name}.json"
+        assert (tmp_path / f"{name}.safetensors").is_file()
+        assert load_checkpoint(tmp_path / name).kind == "glide"
+
+
 def test_mode_options_are_checked(tiny_glide: tuple[object, Path]) -> None:
     model, directory = tiny_glide
     target = wrap_model(model, None, ModelConfig(backend="fast"))

@@ -272,7 +272,7 @@ def cmd_train_cape(args: argparse.Namespace) -> int:
     from llm_worker.assembly import AssemblyError, load_model
     from llm_worker.chat import chat_prompt_ids
     from llm_worker.drafters.base import ModeUnavailableError
-    from llm_worker.drafters.checkpoint import CheckpointError, record_meta
+    from llm_worker.drafters.checkpoint import CheckpointError, json_path_of, record_meta
     from llm_worker.drafters.glide import DEFAULT_WINDOW, GlideDrafter, load_glide
     from llm_worker.engine import Engine
     from llm_worker.training.cape import collect_stats, derive_table
@@ -280,8 +280,7 @@ def cmd_train_cape(args: argparse.Namespace) -> int:
 
     if not 0.0 < args.min_hit < 1.0:
         raise CliError("--min-hit must be in (0, 1)")
-    checkpoint = Path(args.checkpoint)
-    checkpoint = checkpoint if checkpoint.suffix == ".json" else checkpoint.with_suffix(".json")
+    checkpoint = json_path_of(args.checkpoint)
     if not checkpoint.is_file():
         raise CliError(f"no checkpoint at {checkpoint}")
     try:

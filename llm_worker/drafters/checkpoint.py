@@ -46,10 +46,21 @@ class DrafterCheckpoint:
     meta: dict[str, Any] = field(default_factory=dict)  # training and vocabulary statistics
 
 
+def _beside(stem: Path, suffix: str) -> Path:
+    """``stem`` + ``suffix`` (``runs/glide-1.5b`` → ``runs/glide-1.5b.json``, not ``glide-1.json``)."""
+    return stem.with_name(stem.name + suffix)
+
+
+def json_path_of(path: str | Path) -> Path:
+    """A checkpoint's JSON: ``path`` itself if it names one, else ``path`` + ``.json``."""
+    path = Path(path)
+    return path if path.suffix == ".json" else _beside(path, ".json")
+
+
 def save_checkpoint(ckpt: DrafterCheckpoint, stem: str | Path) -> Path:
     """Write ``stem.safetensors`` then ``stem.json``; returns the JSON's path."""
     stem = Path(stem)
-    weights_path, json_path = stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    weights_path, json_path = _beside(stem, ".safetensors"), _beside(stem, ".json")
     tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in ckpt.weights.items()}
     tensors[D2T_KEY] = ckpt.d2t.to(torch.int64).contiguous()
     with atomic_path(weights_path) as tmp:
@@ -72,8 +83,7 @@ def load_checkpoint(
 ) -> DrafterCheckpoint:
     """Read ``path`` (the JSON, or its stem); refuse one made for another target (``weights_id``)
     or of another kind."""
-    path = Path(path)
-    json_path = path if path.suffix == ".json" else path.with_suffix(".json")
+    json_path = json_path_of(path)
     try:
         record = json.loads(json_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -85,14 +95,24 @@ def load_checkpoint(
     if kind is not None and record.get("kind") != kind:
         raise CheckpointError(f"{json_path}: a {record.get('kind')!r} checkpoint, not {kind!r}")
     target = record.get("target") or {}
+    weights = record.get("weights")
+    if (
+        not isinstance(target, dict)
+        or not isinstance(record.get("config"), dict)
+        or not isinstance(record.get("meta", {}), dict)
+        or not isinstance(weights, dict)
+        or not isinstance(weights.get("file"), str)
+        or not isinstance(weights.get("sha256"), str)
+    ):
+        raise CheckpointError(f"{json_path}: a malformed drafter checkpoint (target, config, meta, weights)")
     if weights_id is not None and target.get("weights_id") != weights_id:
         raise CheckpointMismatchError(
             f"{json_path} was trained for target {target.get('name', '?')!r} (weights "
             f"{target.get('weights_id', '?')}), not this model (weights {weights_id}); train one with "
             "`specdraft train glide --model DIR`"
         )
-    weights_path = json_path.with_name(record["weights"]["file"])
-    if not weights_path.is_file() or sha256_file(weights_path) != record["weights"]["sha256"]:
+    weights_path = json_path.with_name(Path(weights["file"]).name)  # beside the JSON, never elsewhere
+    if not weights_path.is_file() or sha256_file(weights_path) != weights["sha256"]:
         raise CheckpointError(f"{weights_path}: missing or does not match its checksum in {json_path.name}")
     try:
         tensors = load_file(str(weights_path))
@@ -101,6 +121,11 @@ def load_checkpoint(
     d2t = tensors.pop(D2T_KEY, None)
     if d2t is None:
         raise CheckpointError(f"{weights_path}: no draft vocabulary ({D2T_KEY})")
+    if d2t.dim() != 1 or not d2t.numel() or d2t.dtype != torch.int64 or int(d2t.min()) < 0:
+        raise CheckpointError(f"{weights_path}: the draft vocabulary is not a list of token ids")
+    vocab_size = target.get("vocab_size")
+    if isinstance(vocab_size, int) and int(d2t.max()) >= vocab_size:
+        raise CheckpointError(f"{weights_path}: draft vocabulary ids beyond the target's {vocab_size}")
     return DrafterCheckpoint(
         kind=str(record["kind"]),
         config=dict(record["config"]),
@@ -115,8 +140,7 @@ def load_checkpoint(
 def record_meta(path: str | Path, key: str, value: Any) -> Path:
     """Set ``meta[key]`` in a checkpoint's JSON (e.g. its CAPE table, measured after training),
     atomically; the weights are not touched, so their checksum still holds."""
-    path = Path(path)
-    json_path = path if path.suffix == ".json" else path.with_suffix(".json")
+    json_path = json_path_of(path)
     load_checkpoint(json_path)  # refuse to annotate what is not a readable checkpoint
     record = json.loads(json_path.read_text(encoding="utf-8"))
     record.setdefault("meta", {})[key] = value

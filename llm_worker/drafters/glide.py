@@ -315,12 +315,19 @@ def load_glide(
         )
     try:
         ckpt = load_checkpoint(path, weights_id, kind="glide")
-        cfg = GlideConfig.from_json(ckpt.config)
     except CheckpointError as exc:
         raise ModeUnavailableError(str(exc)) from None
-    net = GlideNet(cfg)
-    net.load_state_dict(ckpt.weights)
-    if int(ckpt.d2t.max()) >= target.info.vocab_size or cfg.head_dim != target.info.head_dim:
+    try:
+        cfg = GlideConfig.from_json(ckpt.config)
+        net = GlideNet(cfg)
+        net.load_state_dict(ckpt.weights)
+    except (ValueError, TypeError, RuntimeError) as exc:  # a config or weights that do not make the network
+        raise ModeUnavailableError(f"{path}: not a usable GLIDE checkpoint ({exc})") from None
+    if (
+        int(ckpt.d2t.max()) >= target.info.vocab_size
+        or ckpt.d2t.numel() != cfg.draft_vocab
+        or cfg.head_dim != target.info.head_dim
+    ):
         raise ModeUnavailableError(f"{path}: the drafter does not fit this model's vocabulary or heads")
     return net, ckpt.d2t, ckpt.meta
 
