@@ -46,19 +46,26 @@ from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def sparse_from_response(resp: datastore_pb2.RetrieveResponse) -> Retrieval:
+def sparse_from_response(resp: datastore_pb2.RetrieveResponse, max_length: int) -> Retrieval:
+    """A shard's sparse answer; candidates no well-behaved shard sends (empty, longer than
+    ``max_length``, prefix counts not one per token) are dropped, not merged."""
     candidates = []
     for c in resp.candidates:
         counts = tuple(c.prefix_counts) or (c.count,) * len(c.tokens)
+        if not c.tokens or len(c.tokens) > max_length or len(counts) != len(c.tokens):
+            continue
         source = Source(c.source.shard, c.source.document, c.source.offset) if c.HasField("source") else None
         candidates.append(Candidate(tuple(c.tokens), counts, source))
     d = resp.sparse
     return Retrieval(tuple(candidates), d.match_length, d.occurrences, d.sampled)
 
 
-def dense_from_response(resp: datastore_pb2.RetrieveResponse) -> DenseRetrieval:
+def dense_from_response(resp: datastore_pb2.RetrieveResponse, max_length: int) -> DenseRetrieval:
+    """A shard's dense answer; empty candidates and ones longer than ``max_length`` are dropped."""
     candidates = []
     for c in resp.candidates:
+        if not c.tokens or len(c.tokens) > max_length:
+            continue
         source = (
             DenseSource(c.source.shard, c.source.document, c.source.offset) if c.HasField("source") else None
         )
@@ -113,7 +120,7 @@ class RemoteDatastore:
         chosen = self._chosen(answers, version)
         if not version:  # an unpinned answer says what the shards serve now
             self._current = chosen
-        results = [sparse_from_response(a) for a in self._of_version(answers, chosen)]
+        results = [sparse_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
         return SparseAnswer(merge(results, cfg.max_nodes, cfg.max_candidates), chosen)
 
     def _gather(self, request: datastore_pb2.RetrieveRequest) -> list[tuple[str, Any]]:
@@ -165,7 +172,7 @@ class RemoteDatastore:
         if not answers:
             return DenseAnswer(NO_DENSE, version)
         chosen = self._chosen(answers, version)
-        results = [dense_from_response(a) for a in self._of_version(answers, chosen)]
+        results = [dense_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
         return DenseAnswer(merge_dense(results, cfg.max_candidates), chosen)
 
     def current_version(self) -> str:

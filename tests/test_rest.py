@@ -114,6 +114,45 @@ def test_drafted_ids_outside_the_vocabulary_are_dropped_not_run(mode: str) -> No
     assert result.token_ids == ref and result.stats.drafted_tokens == 0
 
 
+class MalformedRetriever:
+    """A datastore answer whose prefix counts are not one per token (what a faulty shard could
+    send): fusing it with the context's own candidates fails."""
+
+    def retrieve(self, context: np.ndarray, cfg: object, version: str = "") -> SparseAnswer:
+        bad = Candidate((int(context[-1]), 1, 2), (5,), None)
+        return SparseAnswer(Retrieval((bad,), 1, 5, 5), "v-bad")
+
+
+def test_an_answer_that_does_not_fuse_costs_its_drafts_not_the_generation() -> None:
+    target = tiny_target("llama")
+    engine = Engine(target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(MalformedRetriever()))
+    prompt = prompts(target.info.vocab_size)[0]
+    fused = engine.generate(GenerationRequest(tuple(prompt), 32, "rest"))  # the context still drafts
+    assert fused.token_ids == greedy_tokens(engine, prompt, "ar", 32)
+    assert fused.stats.drafted_tokens > 0
+
+
+def test_a_shards_malformed_candidates_are_dropped() -> None:
+    """Candidates no well-behaved shard sends (empty, longer than asked, prefix counts not one per
+    token) are left out of the merge; the rest are kept."""
+    from datastore_svc.fanout import dense_from_response, sparse_from_response
+    from specdraft.stubs import datastore_pb2
+
+    resp = datastore_pb2.RetrieveResponse(
+        candidates=[
+            datastore_pb2.Candidate(tokens=[7, 8], prefix_counts=[3, 2]),
+            datastore_pb2.Candidate(tokens=[7, 8, 9], prefix_counts=[5]),
+            datastore_pb2.Candidate(tokens=[], count=4),
+            datastore_pb2.Candidate(tokens=list(range(11)), count=1),
+            datastore_pb2.Candidate(tokens=[6], count=2),
+        ]
+    )
+    sparse = sparse_from_response(resp, max_length=10)
+    assert [(c.tokens, c.counts) for c in sparse.candidates] == [((7, 8), (3, 2)), ((6,), (2,))]
+    dense = dense_from_response(resp, max_length=10)
+    assert [c.tokens for c in dense.candidates] == [(7, 8), (7, 8, 9), (6,)]
+
+
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=1.3), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 from datastore_svc.protocols import SparseRetriever
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, context_retrieval, fuse_context
@@ -97,6 +98,7 @@ class RestDrafter(Drafter):
         else:
             if version and not pinned:
                 ctx.request_state.datastore_version = version
+            result = well_formed(result, self.cfg.max_length) if result is not None else None
         if self.fuse_separator is None:
             return result
         own = context_retrieval(ctx.tokens, self.fuse_separator, self.cfg)
@@ -107,6 +109,21 @@ class RestDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         result = self.retrieve(ctx)
         return self.shape(result) if result is not None else DraftTree.empty()
+
+
+def well_formed(result: Retrieval, max_length: int) -> Retrieval:
+    """``result`` without the candidates no well-behaved datastore returns (empty, longer than
+    ``max_length``, counts not one per token): a datastore is a remote, untrusted input, and one
+    bad candidate must cost its drafts, not the generation."""
+    good = tuple(
+        c
+        for c in result.candidates
+        if c.tokens and len(c.tokens) <= max_length and len(c.counts) == len(c.tokens)
+    )
+    if len(good) == len(result.candidates):
+        return result
+    log.warning("dropped %d malformed datastore candidates", len(result.candidates) - len(good))
+    return replace(result, candidates=good)
 
 
 def retrieval_config(options: dict[str, str]) -> RetrievalConfig:
