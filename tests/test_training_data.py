@@ -79,3 +79,83 @@ def test_features_store_hidden_states_at_answers_or_everywhere(tiny_dir: Path, t
         assert int(seq.hidden_mask.sum()) == expected
         with pytest.raises(ValueError):  # the same directory for another layer is refused
             make_features(model, tok, tmp_path / "c.jsonl", out, FeatureConfig(layer=1), "w")
+
+
+class RoundCompleter:
+    """A stand-in for the target writing instructions: round ``seed``'s row i writes instruction
+    number (7 · seed + i) mod 50, so rounds repeat each other's texts now and then."""
+
+    batch_size = 8
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.calls = 0
+
+    def complete(
+        self, prefixes: list[list[int]], max_new_tokens: int, temperature: float, seed: int
+    ) -> list[tuple[list[int], bool]]:
+        self.calls += 1
+        texts = [
+            f"Please write a short note about topic number {(7 * seed + i) % 50}."
+            for i in range(len(prefixes))
+        ]
+        return [(self.tokenizer(t, add_special_tokens=False)["input_ids"], True) for t in texts]  # type: ignore[operator]
+
+
+def test_a_resumed_prompt_stage_goes_on_from_the_next_round(tiny_dir: Path, tmp_path: Path) -> None:
+    """Instructions made in two runs: the second starts at the round after the first's last (not
+    at round 0, whose texts are all there already and which used to stall it for good), reaches
+    the count, and a prompt's follow-up flag is the same whichever run wrote it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from llm_worker.training.data import DataConfig, make_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    whole, parts = tmp_path / "whole.jsonl", tmp_path / "parts.jsonl"
+    make_prompts(RoundCompleter(tok), tok, DataConfig(instructions=40, local_tasks=0), whole)
+    make_prompts(RoundCompleter(tok), tok, DataConfig(instructions=12, local_tasks=0), parts)
+    second = RoundCompleter(tok)
+    counts = make_prompts(second, tok, DataConfig(instructions=40, local_tasks=0), parts)
+    assert counts["self"] == 40
+
+    def records(path: Path) -> list[dict[str, object]]:
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    first_rounds = [r["round"] for r in records(parts)[:12]]
+    assert min(r["round"] for r in records(parts)[12:]) == max(first_rounds) + 1  # type: ignore[operator]
+    flags = {r["text"]: r["follow_up"] for r in records(whole)}
+    assert all(flags[r["text"]] == r["follow_up"] for r in records(parts) if r["text"] in flags)
+    assert len({r["text"] for r in records(parts)}) == 40
+
+
+def test_features_follow_the_conversations_and_keep_a_held_out_chunk(tiny_dir: Path, tmp_path: Path) -> None:
+    """A chunk made before the conversations grew is made again (a resumed run does not skip the
+    new ones), and the size bound never leaves the held-out split without features."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llm_worker.training.features import FeatureConfig, load_sequences, make_features
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+
+    def conv(i: int, split: str = "train") -> str:
+        messages = [{"role": "user", "content": f"Say hi {i}."}, {"role": "assistant", "content": f"Hi {i}!"}]
+        return json.dumps({"id": f"c{i}", "split": split, "messages": messages}) + "\n"
+
+    path, out = tmp_path / "c.jsonl", tmp_path / "f"
+    cfg = FeatureConfig(layer=0, sequences_per_chunk=2)
+    path.write_text("".join(conv(i) for i in range(3)))
+    make_features(model, tok, path, out, cfg, "w")
+    assert len(list(load_sequences(out, "train"))) == 3
+    path.write_text("".join(conv(i) for i in range(4)))  # the conversations grew: c3 joins chunk 1
+    make_features(model, tok, path, out, cfg, "w")
+    assert len(list(load_sequences(out, "train"))) == 4
+
+    bounded = tmp_path / "bounded"
+    path.write_text("".join(conv(i) for i in range(4)) + conv(9, "heldout"))
+    manifest = make_features(model, tok, path, bounded, FeatureConfig(layer=0, max_bytes=1), "w")
+    assert manifest["truncated"] and len(list(load_sequences(bounded, "heldout"))) == 1

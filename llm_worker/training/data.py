@@ -67,6 +67,9 @@ class Prompt:
     text: str
     split: str = "train"
     follow_up: bool = False
+    round: int = -1
+    """The generation round that wrote a self-generated instruction (a resumed run goes on from
+    the next); -1 for local tasks."""
 
 
 @dataclass
@@ -80,8 +83,13 @@ class Conversation:
 
 def split_of(text: str, heldout_fraction: float) -> str:
     """``heldout`` for a stable ``heldout_fraction`` of texts (a hash of the text decides)."""
-    h = int.from_bytes(hashlib.sha256(text.strip().lower().encode()).digest()[:8], "big")
-    return "heldout" if h / 2**64 < heldout_fraction else "train"
+    return "heldout" if unit_hash(text.strip().lower()) < heldout_fraction else "train"
+
+
+def unit_hash(text: str) -> float:
+    """A number in [0, 1) that ``text`` alone decides (SHA-256): choices that a resumed run makes
+    as the first run did, whatever came before."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
 
 
 def keep_instruction(text: str) -> bool:
@@ -206,18 +214,19 @@ def user_turn_prefix(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
 
 
 def self_instructions(
-    completer: Completes, tokenizer: Any, cfg: DataConfig, count: int, seen: set[str]
-) -> Iterator[str]:
+    completer: Completes, tokenizer: Any, cfg: DataConfig, count: int, seen: set[str], first_round: int = 0
+) -> Iterator[tuple[int, str]]:
     """Up to ``count`` new instructions written by the target, each passing ``keep_instruction``
-    and not a duplicate of ``seen`` (which grows). Stops after as many rounds as it takes, at most
-    ``4 · count / batch`` batches."""
+    and not a duplicate of ``seen`` (which grows), with the round that wrote it. Round r's batch
+    is sampled with a seed of its own; a resumed run starts at ``first_round`` (the rounds before
+    it would only write what is already there). Stops after as many rounds as it takes, at most
+    ``4 · count / batch`` of them."""
     prefix = user_turn_prefix(tokenizer, [])
-    made, rounds = 0, 0
-    while made < count and rounds < max(4, 4 * count // completer.batch_size + 1):
+    made, rounds = 0, first_round
+    while made < count and rounds < first_round + max(4, 4 * count // completer.batch_size + 1):
         outs = completer.complete(
             [prefix] * completer.batch_size, cfg.max_instruction_tokens, 1.0, cfg.seed * 1000003 + rounds
         )
-        rounds += 1
         for ids, ended in outs:
             text = tokenizer.decode(ids, skip_special_tokens=True).strip()
             key = normal_key(text)
@@ -225,9 +234,10 @@ def self_instructions(
                 continue
             seen.add(key)
             made += 1
-            yield text
+            yield rounds, text
             if made >= count:
                 return
+        rounds += 1
 
 
 # -- tasks over local text --------------------------------------------------------------------------
@@ -371,10 +381,9 @@ def make_prompts(
     for r in have:
         counts[r["kind"]] = counts.get(r["kind"], 0) + 1
     writer = JsonlWriter(out)
-    rng = random.Random(cfg.seed)
     try:
 
-        def add(kind: str, text: str) -> None:
+        def add(kind: str, text: str, round: int = -1) -> None:
             number = counts[kind]
             counts[kind] += 1
             prompt = Prompt(
@@ -382,7 +391,8 @@ def make_prompts(
                 kind,
                 text,
                 split_of(text, cfg.heldout_fraction),
-                follow_up=rng.random() < cfg.follow_up_fraction,
+                follow_up=unit_hash(f"follow-up {cfg.seed} {text}") < cfg.follow_up_fraction,
+                round=round,
             )
             writer.write(prompt.__dict__)
             if progress is not None:
@@ -394,8 +404,10 @@ def make_prompts(
                     seen.add(normal_key(text))
                     add("local", text)
         if counts["self"] < cfg.instructions:
-            for text in self_instructions(completer, tokenizer, cfg, cfg.instructions - counts["self"], seen):
-                add("self", text)
+            first = 1 + max((int(r.get("round", -1)) for r in have if r["kind"] == "self"), default=-1)
+            wanted = cfg.instructions - counts["self"]
+            for round, text in self_instructions(completer, tokenizer, cfg, wanted, seen, first):
+                add("self", text, round)
     finally:
         writer.close()
     return counts

@@ -21,6 +21,7 @@ of ``hidden_mask``.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections import Counter
@@ -117,15 +118,18 @@ def make_features(
     manifest["chunks"] = good
     records = read_jsonl(conversations)
     skipped = 0
-    for split in ("train", "heldout"):
+    for split in ("heldout", "train"):  # the held-out chunks first: the size bound never leaves none
         items = [r for r in records if r["split"] == split]
         per = cfg.sequences_per_chunk
         for number, lo in enumerate(range(0, len(items), per)):
             name = f"{split}-{number:05d}.safetensors"
-            if any(c["file"] == name for c in good):
+            members = _members(items[lo : lo + per])
+            done = [c for c in good if c["file"] == name]
+            if done and done[0].get("members", members) == members:
                 if progress is not None:
                     progress(len(items[lo : lo + per]))
                 continue
+            good = [c for c in good if c["file"] != name]  # made from other conversations: made again
             if sum((directory / c["file"]).stat().st_size for c in good) >= cfg.max_bytes:
                 manifest["truncated"] = True
                 break
@@ -138,6 +142,7 @@ def make_features(
                 {
                     "file": name,
                     "split": split,
+                    "members": members,
                     "sequences": count,
                     "tokens": int(tensors["tokens"].numel()),
                     "answer_tokens": int(tensors["loss_mask"].sum()),
@@ -152,6 +157,12 @@ def make_features(
     manifest["skipped_conversations"] = skipped
     atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=1))
     return manifest
+
+
+def _members(items: list[dict[str, Any]]) -> str:
+    """Which conversations a chunk holds (a digest of their ids): a chunk made from others, as
+    when the conversations grew after it was made, is made again rather than trusted."""
+    return hashlib.sha256("\n".join(str(r.get("id", "")) for r in items).encode()).hexdigest()
 
 
 def _chunk(
