@@ -99,6 +99,33 @@ def test_training_loss_falls_and_resume_continues(tmp_path: Path) -> None:
     assert len(resumed.losses) == 50 and resumed.losses[:40] == trainer.losses
 
 
+def test_a_resume_on_other_data_or_settings_is_refused(
+    tiny_glide: tuple[object, Path], tmp_path: Path
+) -> None:
+    """A training state is resumed only by the run it belongs to: another draft vocabulary (the
+    data changed) or other settings are refused by name, and a damaged state file is a clear
+    error, not a pickle traceback."""
+    from dataclasses import replace
+
+    model, _ = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    _, trainer = train_tiny_glide(model, target.info, tmp_path, steps=3)
+    state = tmp_path / "glide.train-state.pt"
+    assert trainer.load_state(state)
+    trainer.cfg = replace(trainer.cfg, steps=10)  # more steps: the same run, extended
+    assert trainer.load_state(state)
+    trainer.cfg = replace(trainer.cfg, lr=1e-4)
+    with pytest.raises(ValueError, match="other settings \\(lr\\)"):
+        trainer.load_state(state)
+    trainer.cfg = replace(trainer.cfg, lr=2e-3)
+    trainer.d2t = trainer.d2t.flip(0)
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        trainer.load_state(state)
+    state.write_bytes(b"not a state")
+    with pytest.raises(ValueError, match="not a readable training state"):
+        trainer.load_state(state)
+
+
 def test_checkpoint_round_trips(tiny_glide: tuple[object, Path]) -> None:
     model, directory = tiny_glide
     target = wrap_model(model, None, ModelConfig(backend="fast"))

@@ -198,15 +198,18 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
     )
     directory = work / (f"features-l{layer}" + ("-all" if everywhere else ""))
     with _bar(None, "features", args.quiet) as bar:
-        manifest = make_features(
-            target.model,
-            tokenizer,
-            work / "conversations.jsonl",
-            directory,
-            feature_cfg,
-            weights_id,
-            bar.update,
-        )
+        try:
+            manifest = make_features(
+                target.model,
+                tokenizer,
+                work / "conversations.jsonl",
+                directory,
+                feature_cfg,
+                weights_id,
+                bar.update,
+            )
+        except ValueError as exc:  # features of another target or layer, a damaged manifest
+            raise CliError(f"{directory}: {exc}") from None
     report["features"] = {
         "chunks": len(manifest["chunks"]),
         "train_tokens": sum(c["answer_tokens"] for c in manifest["chunks"] if c["split"] == "train"),
@@ -249,7 +252,10 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"loss {state['loss']:.3f} acc@depth {acc}")
             bar.update(state["step"] - bar.n)
 
-        result = trainer.fit(out.with_name(out.name + ".train-state.pt"), progress)
+        try:
+            result = trainer.fit(out.with_name(out.name + ".train-state.pt"), progress)
+        except ValueError as exc:  # a state of another run, or a damaged one
+            raise CliError(str(exc)) from None
     report["training"] = {
         "steps": result.steps,
         "seconds": round(result.seconds, 1),

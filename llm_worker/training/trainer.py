@@ -268,16 +268,46 @@ class GlideTrainer:
                     "step": self.step,
                     "losses": self.losses,
                     "net_cfg": self.net_cfg.to_json(),
+                    "d2t": self.d2t.cpu(),
+                    "recipe": self._recipe(),
                 },
                 tmp,
             )
 
+    def _recipe(self) -> dict[str, Any]:
+        """What a resumed run must share with the run that saved the state (``steps`` may grow;
+        the time limit and the device are the run's own)."""
+        fields = asdict(self.cfg)
+        for own in ("steps", "eval_every", "save_every", "max_seconds", "device"):
+            fields.pop(own)
+        return fields
+
     def load_state(self, path: Path) -> bool:
+        """Resume from ``path`` if it exists; a state of another network, draft vocabulary or
+        recipe is refused (the data it continues on would not be what it trained on)."""
         if not path.exists():
             return False
-        state = torch.load(path, weights_only=False)
-        if state["net_cfg"] != self.net_cfg.to_json():
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            saved_cfg, saved_d2t = state["net_cfg"], state.get("d2t")
+        except Exception as exc:  # a damaged or foreign file: say which, not a pickle traceback
+            raise ValueError(
+                f"{path} is not a readable training state ({exc}); delete it or use another --out"
+            ) from None
+        if saved_cfg != self.net_cfg.to_json():
             raise ValueError(f"{path} is the state of another network shape; use another --out")
+        if saved_d2t is not None and not torch.equal(saved_d2t, self.d2t.cpu()):
+            raise ValueError(
+                f"{path} was trained on another draft vocabulary (the data changed); use another --out"
+            )
+        recipe = state.get("recipe")
+        if recipe is not None and recipe != self._recipe():
+            changed = sorted(
+                k for k in set(recipe) | set(self._recipe()) if recipe.get(k) != self._recipe().get(k)
+            )
+            raise ValueError(
+                f"{path} was trained with other settings ({', '.join(changed)}); use another --out"
+            )
         self.net.load_state_dict(state["net"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.losses = int(state["step"]), list(state["losses"])
