@@ -85,7 +85,10 @@ class RemoteDatastore:
         addresses: Sequence[str],
         deadline_seconds: float = 0.02,
         security: ClientSecurity | None = None,
+        tokenizer_fingerprint: str = "",
     ) -> None:
+        """``tokenizer_fingerprint``: the worker's tokenizer (``tokenizer_identity``); a shard
+        whose datastore was built with another is left out (its token ids mean other tokens)."""
         if not addresses:
             raise ValueError("no datastore shard address given")
         self.addresses = list(addresses)
@@ -101,6 +104,8 @@ class RemoteDatastore:
         self._stats_failed: dict[str, float] = {}  # version -> when no shard could describe it
         self._current = ""
         self._checked = -1e9  # when the shards were last asked for their version
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.foreign: dict[str, str] = {}  # address -> the other tokenizer its datastore was built with
 
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> SparseAnswer:
         request = datastore_pb2.RetrieveRequest(
@@ -129,11 +134,44 @@ class RemoteDatastore:
         answers = []
         for address, call in zip(self.addresses, calls, strict=True):
             try:
-                answers.append((address, call.result()))
+                answer = call.result()
             except grpc.RpcError as exc:
                 self.failures[address] += 1
                 log.debug("shard %s missing this step: %s", address, exc.code())
+                continue
+            if address not in self.foreign:
+                answers.append((address, answer))
         return answers
+
+    def _note_tokenizer(self, address: str, info: datastore_pb2.ShardInfo) -> None:
+        """Leave the shard at ``address`` out while its datastore's tokenizer is not the worker's
+        (a shard that does not say is trusted)."""
+        theirs = info.tokenizer
+        if not self.tokenizer_fingerprint or not theirs or theirs == self.tokenizer_fingerprint:
+            if self.foreign.pop(address, None) is not None:
+                log.warning("shard %s serves a datastore of this worker's tokenizer again", address)
+            return
+        if address not in self.foreign:
+            log.error(
+                "shard %s serves a datastore of another tokenizer (%s, this worker's is %s): left out",
+                address,
+                theirs,
+                self.tokenizer_fingerprint,
+            )
+        self.foreign[address] = theirs
+
+    def check_tokenizers(self, timeout: float = 2.0) -> tuple[list[str], list[str]]:
+        """Ask every shard what it serves: (addresses whose datastore has another tokenizer,
+        addresses that did not answer)."""
+        request = datastore_pb2.ShardInfoRequest()
+        calls = [stub.GetShardInfo.future(request, timeout=timeout) for stub in self._stubs]
+        silent = []
+        for address, call in zip(self.addresses, calls, strict=True):
+            try:
+                self._note_tokenizer(address, call.result())
+            except grpc.RpcError:
+                silent.append(address)
+        return [a for a in self.addresses if a in self.foreign], silent
 
     @staticmethod
     def _chosen(answers: list[tuple[str, Any]], version: str) -> str:
@@ -184,11 +222,14 @@ class RemoteDatastore:
         request = datastore_pb2.ShardInfoRequest()
         calls = [stub.GetShardInfo.future(request, timeout=self.info_timeout) for stub in self._stubs]
         versions = []
-        for call in calls:
+        for address, call in zip(self.addresses, calls, strict=True):
             try:
-                versions.append(call.result().version)
+                info = call.result()
             except grpc.RpcError:
                 continue
+            self._note_tokenizer(address, info)
+            if address not in self.foreign:
+                versions.append(info.version)
         if versions:
             self._current = Counter(versions).most_common(1)[0][0]
         return self._current

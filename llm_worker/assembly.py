@@ -7,6 +7,7 @@ server and the benchmarks: each builds a ``ModelConfig`` and a ``ResourceConfig`
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from llm_worker.model import load_target
 from llm_worker.model.loading import ModelNotFoundError
 from llm_worker.model.target import TargetModel
 from specdraft.security import ClientSecurity
+
+log = logging.getLogger(__name__)
 
 
 class AssemblyError(ValueError):
@@ -96,12 +99,26 @@ def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
         datastore = LocalRetriever(version)
     elif cfg.datastore_addresses:
         from datastore_svc.fanout import RemoteDatastore
+        from datastore_svc.store import tokenizer_identity
 
-        datastore = RemoteDatastore(
+        remote = RemoteDatastore(
             list(cfg.datastore_addresses),
             deadline_seconds=cfg.datastore_deadline_seconds,
             security=cfg.datastore_security,
+            tokenizer_fingerprint=tokenizer_identity(tokenizer)["fingerprint"]
+            if tokenizer is not None
+            else "",
         )
+        foreign, silent = remote.check_tokenizers()
+        if foreign:
+            remote.close()
+            raise AssemblyError(
+                f"the datastore shards at {', '.join(foreign)} serve a datastore built with another "
+                "tokenizer than this model's: rebuild it with this model's tokenizer, or use other shards"
+            )
+        if silent:  # they may still be starting: checked again as they answer (``current_version``)
+            log.warning("datastore shards not answering yet, tokenizer not checked: %s", ", ".join(silent))
+        datastore = remote
     heads = Path(cfg.heads_file) if cfg.heads_file else None
     if heads is not None and not heads.is_file():
         raise AssemblyError(f"--heads-file {heads} is not a file")

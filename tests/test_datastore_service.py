@@ -66,6 +66,39 @@ def shards(versions: Path) -> Iterator[list[ShardThread]]:
 CFG = RetrievalConfig(c_max=8, max_length=6, max_nodes=40, max_candidates=40)
 
 
+def test_shards_of_another_tokenizer_are_refused_at_start_and_left_out_later(
+    shards: list[ShardThread], versions: Path
+) -> None:
+    """A worker whose tokenizer is not the one the shards' datastore was built with: assembling
+    it fails with a clear error, and a datastore that already runs leaves such a shard out (its
+    token ids would mean other tokens) once it sees it, and takes it back when it matches."""
+    from llm_worker.assembly import AssemblyError, ResourceConfig, build_resources
+
+    class OtherTokenizer:
+        name_or_path = "other"
+        all_special_tokens = ()
+
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0, "b": 1}
+
+        def __len__(self) -> int:
+            return 2
+
+    addresses = tuple(s.address for s in shards)
+    with pytest.raises(AssemblyError, match="another tokenizer"):
+        build_resources(ResourceConfig(datastore_addresses=addresses), OtherTokenizer())
+
+    remote = RemoteDatastore(list(addresses), deadline_seconds=5.0, tokenizer_fingerprint="someone-else")
+    context = np.array([1, 2, 3, 1, 2])
+    assert remote.retrieve(context, CFG)[0].candidates  # not checked yet
+    assert remote.check_tokenizers() == (list(addresses), [])
+    assert remote.retrieve(context, CFG)[0].candidates == ()
+    remote.tokenizer_fingerprint = IDENTITY["fingerprint"]
+    assert remote.current_version() == "v1" and remote.foreign == {}
+    assert remote.retrieve(context, CFG)[0].candidates
+    remote.close()
+
+
 def test_remote_retrieval_equals_in_process(shards: list[ShardThread], versions: Path) -> None:
     local = DatastoreVersion(versions / "v1")
     remote = RemoteDatastore([s.address for s in shards], deadline_seconds=5.0)
