@@ -170,7 +170,7 @@ def retrieve(
     shard: int = 0,
 ) -> Retrieval:
     """Candidates for continuing ``context`` from one shard (see the module docstring)."""
-    c, lo, hi = index.longest_suffix_match(context, cfg.c_min, cfg.c_max)
+    c, lo, hi = index.longest_suffix_match(context, cfg.c_min, cfg.c_max, separator)
     if c == 0:
         return NO_MATCH
     picked = sample_range(lo, hi, cfg.max_occurrences)

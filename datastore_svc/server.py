@@ -367,7 +367,7 @@ class AdminServicer(_Counted, datastore_pb2_grpc.DatastoreAdminServicer):
             await self._abort(context, "LoadVersion", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except VersionMissing as exc:
             await self._abort(context, "LoadVersion", grpc.StatusCode.NOT_FOUND, str(exc))
-        except DatastoreError as exc:
+        except (DatastoreError, OSError, RuntimeError) as exc:  # also unreadable files, loops, faiss
             message = f"version {request.version!r} cannot be loaded: {self._quiet(str(exc))}"
             await self._abort(context, "LoadVersion", grpc.StatusCode.FAILED_PRECONDITION, message)
         log.info("shard %d loaded version %s", self.state.index, name)

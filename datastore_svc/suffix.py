@@ -124,16 +124,19 @@ class SuffixIndex:
             raise RuntimeError(f"libdivsufsort sa_search failed ({count})")
         return (left.value, left.value + count) if count else (0, 0)
 
-    def longest_suffix_match(self, context: np.ndarray, c_min: int, c_max: int) -> tuple[int, int, int]:
+    def longest_suffix_match(
+        self, context: np.ndarray, c_min: int, c_max: int, separator: int | None = None
+    ) -> tuple[int, int, int]:
         """The longest c in [c_min, c_max] whose last-c-token suffix of ``context`` occurs: (c, lo, hi).
 
         Occurrence is monotone in c (a longer suffix occurs only where a shorter one does), so c is
-        found by binary search. No match: (0, 0, 0).
+        found by binary search. No match: (0, 0, 0). A context token at or above ``separator`` (the
+        index's document boundary) is no token of any document: only the suffix after it can match.
         """
         c_max = min(c_max, len(context))
         tail = np.asarray(context[len(context) - c_max :]).tolist()  # Python ints, quickly
         width = self.width
-        limit = 2 ** (8 * width)
+        limit = 2 ** (8 * width) if separator is None else min(separator, 2 ** (8 * width))
         if tail and (min(tail) < 0 or max(tail) >= limit):
             # a token this index cannot hold occurs nowhere: only the suffix after it can match
             bad = [i for i, t in enumerate(tail) if not 0 <= t < limit]

@@ -218,6 +218,17 @@ def test_longest_suffix_match_binary_search() -> None:
     assert idx.longest_suffix_match(np.array([7]), 1, 16) == (0, 0, 0)
 
 
+def test_a_context_token_at_the_separator_never_matches_across_documents() -> None:
+    """The separator (or an id above it) in a context is no document's token: the match starts
+    after it, never across a document boundary into the next document."""
+    tokens = np.array([1, 2, SEP, 3, 4, SEP], dtype=np.int32)
+    idx = index(tokens)
+    assert idx.longest_suffix_match(np.array([2, SEP, 3]), 1, 16, SEP) == (1, *idx.find_range(np.array([3])))
+    assert idx.longest_suffix_match(np.array([2, SEP + 1, 3]), 1, 16, SEP)[0] == 1
+    got = retrieve(idx, SEP, np.array([2, SEP, 3]), RetrievalConfig(max_length=4))
+    assert got.match_length == 1 and [c.tokens for c in got.candidates] == [(4,)]
+
+
 def test_wide_vocabularies_use_four_byte_tokens() -> None:
     tokens = np.array([70000, 5, 70000, 6, 100000], dtype=np.int64)
     idx = SuffixIndex.build(tokens, 100000)

@@ -152,6 +152,23 @@ def test_a_missing_version_is_not_found_and_says_nothing_of_the_disk(
     assert str(root) not in (err.details() or "")
 
 
+def test_a_version_that_cannot_be_read_is_a_precise_status_and_the_shard_serves_on(
+    shards: list[ShardThread], root: Path
+) -> None:
+    """A symlink loop under the versions root (``Path.resolve`` raises ``RuntimeError``) is a
+    FAILED_PRECONDITION naming the version, not UNKNOWN; the shard keeps serving its version."""
+    loop = root / "loop"
+    loop.symlink_to(loop)
+    try:
+        err = rpc_error(load, shards[0].admin_address, "loop", ADMIN)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+        assert "'loop' cannot be loaded" in (err.details() or "")
+        assert shards[0].state.loaded_versions() == ["v1"]
+        assert load(shards[0].admin_address, "v2", ADMIN).version == "v2"
+    finally:
+        loop.unlink()
+
+
 def test_a_swap_with_a_shard_killed_between_load_and_swap_leaves_one_version(
     shards: list[ShardThread],
 ) -> None:
