@@ -21,6 +21,7 @@ from __future__ import annotations
 import secrets
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from llm_worker.config import SamplingParams
@@ -110,8 +111,9 @@ class SamplingNoise:
         """[vocab] float64 standard exponential noise of ``position``, every entry > 0."""
         noise = self._kept.get(position)
         if noise is None:
-            gen = torch.Generator().manual_seed(mix_seed(self.seed, position))
-            noise = torch.empty(self.vocab, dtype=torch.float64).exponential_(generator=gen)
+            # numpy's PCG64 and ziggurat: 0.19 ms for 49 152 draws where torch's generator took 0.9
+            gen = np.random.Generator(np.random.PCG64(mix_seed(self.seed, position)))
+            noise = torch.from_numpy(gen.standard_exponential(self.vocab))
             noise.clamp_(min=1e-300)
             self._kept[position] = noise
             if len(self._kept) > self.KEEP:
