@@ -241,9 +241,12 @@ class RemoteDatastore:
             raise DatastoreUnavailable(f"no shard described version {version!r} (asked again shortly)")
         request = datastore_pb2.ShardInfoRequest(include_stats=True, version=version)
         errors = []
-        for address, stub in zip(self.addresses, self._stubs, strict=True):
+        # every shard at once (a blackholed one costs one timeout, not one each), the first in
+        # address order that describes the version wins
+        calls = [stub.GetShardInfo.future(request, timeout=self.info_timeout) for stub in self._stubs]
+        for address, call in zip(self.addresses, calls, strict=True):
             try:
-                info = stub.GetShardInfo(request, timeout=self.info_timeout)
+                info = call.result()
             except grpc.RpcError as exc:
                 errors.append(f"{address}: {exc.code().name}")
                 continue
@@ -342,12 +345,31 @@ def swap_loaded(
             except grpc.RpcError as exc:
                 undone = _roll_back(done, version, timeout)
                 why = f"{exc.code().name}: {exc.details()}"
+                if exc.code() in _UNKNOWN_OUTCOME:  # it may have swapped before its answer was lost
+                    undone += "; " + _undo_unanswered(address, stub, before, version, timeout)
                 raise SwapError(f"shard {address} did not swap to {version!r} ({why}); {undone}") from None
             done.append((address, stub, resp.previous))
         return [(previous, version) for _, _, previous in done]
     finally:
         for channel in channels:
             channel.close()
+
+
+_UNKNOWN_OUTCOME = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+"""A swap call that failed with these may still have swapped on the shard."""
+
+
+def _undo_unanswered(address: str, stub: Any, before: str, version: str, timeout: float) -> str:
+    """Return a shard whose swap call got no answer to ``before`` if it did swap (compare-and-swap
+    from ``version``: a shard that never swapped refuses, which is the outcome wanted)."""
+    request = datastore_pb2.SwapVersionRequest(version=before, expected_previous=version)
+    try:
+        stub.SwapVersion(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            return f"{address} had not swapped"
+        return f"{address} may still serve {version!r} ({exc.code().name}: {exc.details()})"
+    return f"{address} had swapped without answering and was returned to {before!r}"
 
 
 def _roll_back(done: list[tuple[str, Any, str]], version: str, timeout: float) -> str:

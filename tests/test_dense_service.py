@@ -57,6 +57,30 @@ def queries_of(version: DatastoreVersion, n: int = 20) -> list[tuple[np.ndarray,
     return out
 
 
+def test_dense_statistics_ask_every_shard_at_once(setup) -> None:
+    """Shards that never answer (blackholed: the connection opens, no reply comes) cost one
+    timeout together, not one each, before a live shard's statistics are used."""
+    import socket
+    import time
+
+    _, _, version, root, _ = setup
+    holes = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    server = ShardThread(ShardState.open(root / "v", 0))
+    try:
+        addresses = [f"127.0.0.1:{h.getsockname()[1]}" for h in holes] + [server.address]
+        remote = RemoteDatastore(addresses, deadline_seconds=5.0)
+        remote.info_timeout = 1.0
+        began = time.perf_counter()
+        stats, _ = remote.dense_stats("v")
+        assert stats is not None and stats.digest() == version.dense_stats.digest()
+        assert time.perf_counter() - began < 2.5  # one after another: 3 s at least
+        remote.close()
+    finally:
+        server.stop()
+        for h in holes:
+            h.close()
+
+
 def test_remote_dense_retrieval_equals_in_process(setup) -> None:
     _, _, version, root, _ = setup
     servers = [ShardThread(ShardState.open(root / "v", i)) for i in range(2)]

@@ -185,6 +185,29 @@ def test_a_swap_with_a_shard_killed_between_load_and_swap_leaves_one_version(
     assert [i.version for i in remote.info()] == ["v1", "v1"]
 
 
+def test_a_shard_that_swapped_without_answering_is_returned_too(shards: list[ShardThread]) -> None:
+    """The last shard swaps, but its answer comes after the call's deadline: the swap fails and
+    that shard is returned to its version as well, not left alone on the new one."""
+    import time
+
+    admins = [s.admin_address for s in shards]
+    expected = load_all(admins, "v2", ADMIN)
+    state = shards[1].state
+    swap = state.swap
+
+    def swap_then_stall(name: str, expected_previous: str = "") -> tuple[str, str]:
+        out = swap(name, expected_previous)
+        if name == "v2":
+            time.sleep(3.0)  # the answer is lost past the deadline
+        return out
+
+    state.swap = swap_then_stall  # type: ignore[method-assign]
+    with pytest.raises(SwapError, match="had swapped without answering and was returned") as err:
+        swap_loaded(admins, "v2", expected, ADMIN, timeout=2.0)
+    assert "DEADLINE_EXCEEDED" in str(err.value)
+    assert [s.state.current_version() for s in shards] == ["v1", "v1"], err.value
+
+
 def test_swaps_compare_and_swap_and_never_split_the_shards(shards: list[ShardThread]) -> None:
     admins = [s.admin_address for s in shards]
     load_all(admins, "v2", ADMIN)
