@@ -323,10 +323,13 @@ def test_train_command_end_to_end_resumes_and_serves(
         "--generate-batch",
         "8",
     ]
-    argv += ["--vocab", "512", "--tokens-per-batch", "1024", "--data-dtype", "float32"]
+    argv += ["--vocab", "512", "--tokens-per-batch", "1024", "--data-dtype", "auto"]
     argv += ["--heldout-fraction", "0.3", "--quiet"]
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "data-dtype").write_text("float32\n")  # what an earlier run chose: kept
     assert main([*argv, "--steps", "3"]) == 0
     first = json.loads(capsys.readouterr().out)
+    assert first["data_dtype"] == "float32"
     assert first["answers"]["written"] >= 6 and first["features"]["train_tokens"] > 0
     assert first["vocabulary"]["coverage"] == 1.0 and first["training"]["steps"] == 3
     heldout = Path(first["heldout_questions"]).read_text().splitlines()

@@ -118,7 +118,7 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
     from llm_worker.training.features import FeatureConfig, draft_vocabulary, load_sequences, make_features
     from llm_worker.training.generate import TargetCompleter
     from llm_worker.training.trainer import GlideTrainer, TrainConfig
-    from specdraft.common import cache_root
+    from specdraft.common import atomic_write_text, cache_root
 
     if not 0.0 <= args.heldout_fraction < 1.0:
         raise CliError("--heldout-fraction must be in [0, 1)")
@@ -158,6 +158,9 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
         batch_size=args.generate_batch,
         seed=args.seed,
     )
+    chosen_file = work / "data-dtype"  # the data of one work directory is written in one dtype
+    if args.data_dtype == "auto" and chosen_file.is_file():
+        args.data_dtype = chosen_file.read_text().strip()
     if args.data_dtype == "auto":
         from llm_worker.model.kernels import fastest_dtype
 
@@ -166,6 +169,8 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
             [torch.float32, torch.bfloat16], args.generate_batch, width, 3 * width, args.device
         )
         args.data_dtype = str(chosen).removeprefix("torch.")
+        work.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(chosen_file, args.data_dtype + "\n")
     report["data_dtype"] = args.data_dtype
     writer = target
     if args.data_dtype != args.dtype:
