@@ -36,6 +36,11 @@ def test_sampled_completions_depend_on_the_seed_only() -> None:
     assert one == many
     assert one != other
     assert all(len(ids) == 16 and not ended for ids, ended in one)
+    # with a seed of its own, a prefix samples the same wherever it stands and whatever is beside it
+    seeds = [101 + i for i in range(len(batch))]
+    own = TargetCompleter(target, [], batch_size=6).complete(batch, 16, 0.8, seed=5, seeds=seeds)
+    alone = TargetCompleter(target, [], batch_size=6).complete(batch[2:3], 16, 0.8, seed=9, seeds=seeds[2:3])
+    assert alone[0] == own[2] and own != one
 
 
 def test_top_p_keeps_the_smallest_nucleus() -> None:

@@ -151,7 +151,12 @@ class Completes(Protocol):
     batch_size: int
 
     def complete(
-        self, prefixes: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, seed: int
+        self,
+        prefixes: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        seeds: Sequence[int] | None = None,
     ) -> list[tuple[list[int], bool]]: ...
 
 
@@ -165,10 +170,16 @@ class Completer:
         self.batch_size = batch_size
 
     def complete(
-        self, prefixes: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, seed: int
+        self,
+        prefixes: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        seeds: Sequence[int] | None = None,
     ) -> list[tuple[list[int], bool]]:
         """Per prefix: the generated ids (the end token cut off) and whether it ended by itself.
-        ``temperature`` 0 = greedy."""
+        ``temperature`` 0 = greedy. ``seeds`` is ignored: ``generate`` samples a batch from one
+        generator, so a sampled answer depends on its batch."""
         results: list[tuple[list[int], bool]] = []
         for lo in range(0, len(prefixes), self.batch_size):
             batch = [list(p) for p in prefixes[lo : lo + self.batch_size]]
@@ -444,7 +455,8 @@ def make_conversations(
             ]
             if follow:
                 prefixes = [user_turn_prefix(tokenizer, c.messages) for c in follow]
-                outs = completer.complete(prefixes, cfg.max_instruction_tokens, 1.0, seed + 1)
+                own = [_own_seed(cfg, "follow-up", c.id) for c in follow]
+                outs = completer.complete(prefixes, cfg.max_instruction_tokens, 1.0, seed + 1, own)
                 asked = []
                 for conv, (ids, ended) in zip(follow, outs, strict=True):
                     text = tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -463,6 +475,12 @@ def make_conversations(
     return {"prompts": len(records), "skipped": len(done), "written": written}
 
 
+def _own_seed(cfg: DataConfig, what: str, conversation: str) -> int:
+    """The seed of one sampled text of one conversation: its id and the data seed alone decide
+    it, so a resumed run (other batches) samples what an uninterrupted one did."""
+    return int(unit_hash(f"{cfg.seed} {what} {conversation}") * 2**63)
+
+
 def _answer(
     completer: Completes, tokenizer: Any, cfg: DataConfig, convs: list[Conversation], seed: int
 ) -> None:
@@ -473,7 +491,8 @@ def _answer(
             continue
         prefixes = [template_ids(tokenizer, c.messages, generation_prompt=True) for c in group]
         temperature = cfg.temperature if sampled else 0.0
-        outs = completer.complete(prefixes, cfg.max_answer_tokens, temperature, seed + int(sampled))
+        own = [_own_seed(cfg, f"answer {len(c.messages)}", c.id) for c in group]
+        outs = completer.complete(prefixes, cfg.max_answer_tokens, temperature, seed + int(sampled), own)
         for conv, (ids, _ended) in zip(group, outs, strict=True):
             conv.messages.append(
                 {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}

@@ -88,10 +88,16 @@ class TargetCompleter:
         self.max_context = target.info.max_context
 
     def complete(
-        self, prefixes: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, seed: int
+        self,
+        prefixes: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        seeds: Sequence[int] | None = None,
     ) -> list[tuple[list[int], bool]]:
         """Per prefix: the generated ids (the end token cut off) and whether it ended by itself.
-        ``temperature`` 0 = greedy."""
+        ``temperature`` 0 = greedy. Prefix i samples from a generator seeded by (``seed``, i), or
+        by ``seeds[i]`` alone when given (what it writes then depends on nothing else)."""
         results: list[tuple[list[int], bool] | None] = [None] * len(prefixes)
         waiting = list(range(len(prefixes)))[::-1]
         running: list[_Running] = []
@@ -103,7 +109,8 @@ class TargetCompleter:
                 if not prefix or len(prefix) >= self.max_context:
                     results[index] = ([], False)
                     continue
-                rng = np.random.default_rng([seed, index]) if temperature > 0 else None
+                own = [seeds[index]] if seeds is not None else [seed, index]
+                rng = np.random.default_rng(own) if temperature > 0 else None
                 running.append(_Running(index, self.target.start(), prefix, rng))
             calls = []
             for run in running:
