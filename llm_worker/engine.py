@@ -50,6 +50,10 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses before doing any work."""
 
 
+class GenerationCancelled(Exception):
+    """The request's ``cancel`` event was set while its prompt was being prefilled."""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
@@ -58,6 +62,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_at_eos: bool = True
     draft_budget: int | None = None  # most draft tokens verified per step; None = the planner's choice
+    cancel: threading.Event | None = field(default=None, compare=False)
+    """Set by a server whose client went away: a prefill stops at its next chunk (a step cannot
+    be interrupted; the prefill of a long prompt is many forwards in the first step)."""
 
 
 @dataclass(frozen=True)
@@ -305,11 +312,15 @@ class Engine:
         artifacts: _Artifacts,
         prompt: torch.Tensor,
         needs: ArtifactNeeds,
+        cancel: threading.Event | None = None,
     ) -> torch.Tensor:
-        """Run the prompt (in chunks), commit it, and return the last row's logits: [vocab]."""
+        """Run the prompt (in chunks), commit it, and return the last row's logits: [vocab];
+        ``GenerationCancelled`` before a chunk once ``cancel`` is set."""
         chunk = max(1, self.config.prefill_chunk)
         logits = None
         for lo in range(0, len(prompt), chunk):
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled(f"cancelled after {lo} of {len(prompt)} prompt tokens")
             piece = prompt[lo : lo + chunk]
             out = target.forward(state, piece, None, needs, last_logits_only=True)
             rows = list(range(len(piece)))
@@ -334,7 +345,7 @@ class Engine:
         state = target.start()
         artifacts = _Artifacts(target, state, needs)
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
-        logits = self._prefill(target, state, artifacts, prompt, needs)
+        logits = self._prefill(target, state, artifacts, prompt, needs, req.cancel)
         first = (
             argmax(logits)
             if sampling.greedy

@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -185,6 +186,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         loop = asyncio.get_running_loop()
         steps: Iterator[StepOutput | GenerationResult] | None = None
         step: Future[Any] | None = None  # the step running on the pool, if any
+        cancel: threading.Event | None = None
         ends = time.monotonic() + self.cfg.max_generation_seconds
         try:
             size = prompt_bytes(request)
@@ -198,6 +200,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 gen = await loop.run_in_executor(self.executor, self.worker.to_engine, work)
             except BadRequest as exc:
                 await self._abort(context, call, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            cancel = threading.Event()  # set when the call ends early: a prefill stops at its next chunk
+            gen = replace(gen, cancel=cancel)
             steps = self.worker.stream(gen)
             while True:
                 step = self.executor.submit(next, steps, _DONE)
@@ -219,6 +223,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     message = f"the generation ran past this worker's limit of {limit:g} s"
                     await self._abort(context, call, grpc.StatusCode.DEADLINE_EXCEEDED, message)
         finally:
+            if cancel is not None:
+                cancel.set()
             try:
                 if steps is not None:
                     # off the event loop, after a step a cancellation left running (it still holds

@@ -240,7 +240,8 @@ def test_a_call_cancelled_mid_step_closes_its_stream_once_the_step_returns(
     the call stays active until it returns, and then its stream is closed (which frees its KV
     cache and leaves the batch) — not left for the garbage collector."""
     steps = _BlockingSteps()
-    monkeypatch.setattr(worker, "stream", lambda gen: steps)
+    requests: list[GenerationRequest] = []
+    monkeypatch.setattr(worker, "stream", lambda gen: requests.append(gen) or steps)
     srv = start(worker, max_concurrent=2)
     try:
         with grpc.insecure_channel(srv.address) as channel:
@@ -250,6 +251,7 @@ def test_a_call_cancelled_mid_step_closes_its_stream_once_the_step_returns(
             stream.cancel()
             time.sleep(0.3)
             assert srv.server.servicer.active == 1 and steps.closed == []  # the step still runs
+            assert requests[0].cancel is not None and requests[0].cancel.is_set()  # a prefill would stop
             steps.release.set()
             wait_until(lambda: steps.closed != [], what="the stream is closed")
             assert steps.closed == ["closed"]
@@ -257,6 +259,36 @@ def test_a_call_cancelled_mid_step_closes_its_stream_once_the_step_returns(
     finally:
         steps.release.set()
         srv.stop()
+
+
+def test_a_cancelled_request_stops_its_prefill_at_the_next_chunk(worker: Worker) -> None:
+    """The prefill of a long prompt is one step of many forwards: once the request's ``cancel``
+    is set (the server sets it when the call ends), no further chunk runs."""
+    from dataclasses import replace
+
+    from llm_worker.engine import Engine, GenerationCancelled
+
+    base = worker.engine
+    engine = Engine(base.target, replace(base.config, prefill_chunk=4), curve=base.cost_curve)
+    cancel = threading.Event()
+    forwards = []
+    forward = base.target.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        forwards.append(1)
+        if len(forwards) == 2:
+            cancel.set()  # the client goes away during the second chunk
+        return forward(*args, **kwargs)
+
+    prompt = tuple(range(1, 65))  # 16 chunks of 4
+    try:
+        base.target.forward = counted  # type: ignore[method-assign]
+        steps = engine.stream(GenerationRequest(prompt, 8, "ar", cancel=cancel))
+        with pytest.raises(GenerationCancelled, match="after 8 of 64"):
+            next(steps)
+    finally:
+        base.target.forward = forward  # type: ignore[method-assign]
+    assert len(forwards) == 2
 
 
 def test_graceful_stop_finishes_calls_in_flight_and_refuses_new_ones(worker: Worker) -> None:
