@@ -398,8 +398,11 @@ class AdminServicer(_Counted, datastore_pb2_grpc.DatastoreAdminServicer):
             log.info("published the dense statistics of %s to redis", store.version)
 
 
-def _health_and_reflection(server: grpc.aio.Server, services: tuple[str, ...]) -> health_aio.HealthServicer:
-    health = health_aio.HealthServicer()
+def _health_and_reflection(
+    server: grpc.aio.Server, services: tuple[str, ...], health: health_aio.HealthServicer | None = None
+) -> health_aio.HealthServicer:
+    """Health (``health``, or a new servicer) and reflection of ``services`` on ``server``."""
+    health = health or health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
@@ -430,7 +433,9 @@ class ShardServer:
         if cfg.admin_port is not None:
             self.admin_server = grpc.aio.server(options=options, interceptors=[guard])
             datastore_pb2_grpc.add_DatastoreAdminServicer_to_server(self.admin, self.admin_server)
-            _health_and_reflection(self.admin_server, (ADMIN_SERVICE_NAME,))
+            # the data port's health: the admin port says what the shard says (NOT_SERVING while
+            # starting or draining), not SERVING from construction to the end
+            _health_and_reflection(self.admin_server, (ADMIN_SERVICE_NAME,), self.health)
         self.port = 0
         self.admin_port: int | None = None
         self.metrics_port: int | None = None

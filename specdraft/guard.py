@@ -100,10 +100,14 @@ class Guard(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.request_streaming:  # unknown method / reflection: gRPC's own
+        if handler is None:  # unknown method: gRPC's own answer
             return handler
         service, method = _method_parts(details.method)  # type: ignore[attr-defined]
         role = self.roles.get(service)
+        if handler.request_streaming:
+            if role is None:  # reflection: open, gRPC's own
+                return handler
+            return self._refused_streaming(handler, method)  # not guarded here: closed, never open
         decode = handler.request_deserializer
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
@@ -115,6 +119,22 @@ class Guard(grpc.aio.ServerInterceptor):
             self._unary(handler.unary_unary, decode, role, method),
             request_deserializer=None,
             response_serializer=handler.response_serializer,
+        )
+
+    def _refused_streaming(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """A request-streaming method of a guarded service: the guard checks unary requests
+        only, so such a method (none exists today) is refused rather than left without a check."""
+        text = "request-streaming calls are not served by a guarded service"
+
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            await self._end(context, method, grpc.StatusCode.UNIMPLEMENTED, text)
+
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                refuse, request_deserializer=None, response_serializer=handler.response_serializer
+            )
+        return grpc.stream_unary_rpc_method_handler(
+            refuse, request_deserializer=None, response_serializer=handler.response_serializer
         )
 
     async def _end(

@@ -17,7 +17,7 @@ import hashlib
 import os
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 PASSWORD_ENV = "SPECDRAFT_REDIS_PASSWORD"
 SCHEMES = ("redis://", "rediss://", "unix://")
@@ -36,13 +36,21 @@ ROLES: dict[str, str] = {
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password: ``redis://worker:***@host:6379/0``."""
+    """``url`` without its password, in the user part or the query (redis-py reads both):
+    ``redis://worker:***@host:6379/0``, ``redis://worker@host/0?password=***``."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.query:
+        query = [
+            (k, "***" if k.lower() == "password" else v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        ]
+        parts = parts._replace(query=urlencode(query, safe="*"))
+    if parts.password is not None:
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        parts = parts._replace(netloc=netloc)
+    return urlunsplit(parts)
 
 
 def check_url(url: str, what: str) -> None:

@@ -118,6 +118,24 @@ def test_remote_retrieval_equals_in_process(shards: list[ShardThread], versions:
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_the_admin_port_tells_the_shards_health(shards: list[ShardThread]) -> None:
+    """The admin port's health is the shard's: NOT_SERVING when the shard says so (draining),
+    not SERVING from start to end."""
+    import asyncio
+
+    def status(address: str) -> int:
+        with grpc.insecure_channel(address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            return check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+    shard = shards[0]
+    assert status(shard.admin_address) == health_pb2.HealthCheckResponse.SERVING
+    asyncio.run_coroutine_threadsafe(
+        shard.server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING), shard.loop
+    ).result(10)
+    assert status(shard.admin_address) == status(shard.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 @pytest.mark.parametrize(
     "request_kw,code",
     [

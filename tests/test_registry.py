@@ -176,3 +176,14 @@ def test_a_tls_worker_registers_in_a_tls_redis_with_acl_users(
         if srv is not None:
             srv.stop()
         server.stop()
+
+
+def test_redis_urls_are_logged_without_their_passwords() -> None:
+    """Neither the user part's password nor a ``?password=`` (redis-py reads both) reaches a log."""
+    from specdraft.redisconn import redacted
+
+    assert redacted("redis://worker:s3cret@cache:6379/0") == "redis://worker:***@cache:6379/0"
+    assert "s3cret" not in redacted("redis://worker@cache/0?password=s3cret")
+    assert "s3cret" not in redacted("rediss://w@cache/0?ssl_cert_reqs=none&Password=s3cret")
+    assert redacted("redis://w:p@[::1]:6379/0") == "redis://w:***@[::1]:6379/0"
+    assert redacted("redis://cache:6379/0") == "redis://cache:6379/0"

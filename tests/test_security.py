@@ -606,3 +606,43 @@ def test_a_malformed_manifest_is_failed_precondition_naming_the_field(
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and field in details, details
     assert str(root) not in details
     assert shards[0].state.current_version() == "v1"
+
+
+def test_a_request_streaming_method_of_a_guarded_service_is_refused_not_left_open() -> None:
+    """The guard checks unary requests; a request-streaming method of a guarded service (none
+    exists today) is refused with or without a token, never served unchecked."""
+    import asyncio
+
+    from specdraft.guard import Guard
+    from specdraft.security import ServerSecurity
+
+    token = "t" * 32
+
+    async def chat(requests: Any, context: Any) -> Any:
+        async for request in requests:
+            yield request
+
+    async def run() -> list[grpc.StatusCode]:
+        handlers = {"Chat": grpc.stream_stream_rpc_method_handler(chat)}
+        server = grpc.aio.server(
+            interceptors=[Guard(ServerSecurity(tokens=(token,)), {"test.Svc": "client"})]
+        )
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Svc", handlers)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        codes = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call_chat = channel.stream_stream("/test.Svc/Chat")
+                for metadata in ((), (("authorization", f"Bearer {token}"),)):
+                    try:
+                        async for _ in call_chat(iter([b"hi"]), metadata=metadata, timeout=10):
+                            pass
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as exc:
+                        codes.append(exc.code())
+        finally:
+            await server.stop(None)
+        return codes
+
+    assert asyncio.run(run()) == [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNIMPLEMENTED]
