@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,14 @@ FLAT_MAX_KEYS = 200_000
 
 class DenseError(ValueError):
     """Dense statistics or an index that cannot be used."""
+
+
+NPY_HEADERS = threading.Lock()
+"""Held while ``np.load`` parses headers: it uses ``ast.literal_eval``, and CPython 3.11's AST
+constructor keeps its recursion depth in state shared by threads, so two loads at once (two
+shards of one process loading a version, statistics read beside a load) could fail with a
+spurious "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905).
+Headers are small: nothing waits long."""
 
 
 # -- statistics: z-score, PCA, L2 ---------------------------------------------------------------
@@ -80,7 +89,7 @@ class DenseStats:
     @classmethod
     def from_bytes(cls, data: bytes) -> DenseStats:
         try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            with NPY_HEADERS, np.load(io.BytesIO(data), allow_pickle=False) as z:
                 arrays = {
                     k: np.asarray(z[k], dtype=np.float32) for k in ("mean", "std", "components", "offset")
                 }

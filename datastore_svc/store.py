@@ -36,6 +36,7 @@ import numpy as np
 
 from datastore_svc.corpus import read_documents
 from datastore_svc.dense import (
+    NPY_HEADERS,
     DenseConfig,
     DenseError,
     DenseIndex,
@@ -428,7 +429,8 @@ def _checked_file(path: Path, entry: dict[str, Any], index: int, name: str, veri
 def _load_array(file: Path) -> np.ndarray:
     try:
         # a plain ndarray view of the mapping: np.memmap's per-slice bookkeeping costs µs per access
-        return np.load(file, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+        with NPY_HEADERS:
+            return np.load(file, mmap_mode="r", allow_pickle=False).view(np.ndarray)
     except (ValueError, OSError) as exc:
         raise DatastoreError(f"{file} is not a readable array: {exc}") from None
 
