@@ -39,7 +39,7 @@ from datastore_svc.dense import (
     merge_dense,
 )
 from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
-from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge
+from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge, well_formed
 from specdraft.security import ClientSecurity
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
@@ -52,12 +52,10 @@ def sparse_from_response(resp: datastore_pb2.RetrieveResponse, max_length: int) 
     candidates = []
     for c in resp.candidates:
         counts = tuple(c.prefix_counts) or (c.count,) * len(c.tokens)
-        if not c.tokens or len(c.tokens) > max_length or len(counts) != len(c.tokens):
-            continue
         source = Source(c.source.shard, c.source.document, c.source.offset) if c.HasField("source") else None
         candidates.append(Candidate(tuple(c.tokens), counts, source))
     d = resp.sparse
-    return Retrieval(tuple(candidates), d.match_length, d.occurrences, d.sampled)
+    return Retrieval(well_formed(candidates, max_length), d.match_length, d.occurrences, d.sampled)
 
 
 def dense_from_response(resp: datastore_pb2.RetrieveResponse, max_length: int) -> DenseRetrieval:

@@ -20,7 +20,7 @@ Candidates from several shards merge by adding the counts of equal paths (``merg
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,6 +197,15 @@ def retrieve(
         for i, d in enumerate(lengths)
     ]
     return Retrieval(tuple(candidates), c, hi - lo, len(picked))
+
+
+def well_formed(candidates: Iterable[Candidate], max_length: int) -> tuple[Candidate, ...]:
+    """The candidates a well-behaved datastore returns: not empty, at most ``max_length`` tokens,
+    one count per token. What comes from a shard or another retriever is untrusted, and one bad
+    candidate must cost its drafts, not the merge or the tree built from them."""
+    return tuple(
+        c for c in candidates if c.tokens and len(c.tokens) <= max_length and len(c.counts) == len(c.tokens)
+    )
 
 
 def merge(results: Sequence[Retrieval], max_nodes: int, max_candidates: int) -> Retrieval:

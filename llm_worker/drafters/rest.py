@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from datastore_svc.protocols import SparseRetriever
-from datastore_svc.retrieval import Retrieval, RetrievalConfig, context_retrieval, fuse_context
+from datastore_svc.retrieval import Retrieval, RetrievalConfig, context_retrieval, fuse_context, well_formed
 from llm_worker.drafters.base import (
     DRAFTERS,
     DraftContext,
@@ -98,7 +98,7 @@ class RestDrafter(Drafter):
         else:
             if version and not pinned:
                 ctx.request_state.datastore_version = version
-            result = well_formed(result, self.cfg.max_length) if result is not None else None
+            result = _without_malformed(result, self.cfg.max_length) if result is not None else None
         if self.fuse_separator is None:
             return result
         own = context_retrieval(ctx.tokens, self.fuse_separator, self.cfg)
@@ -111,15 +111,9 @@ class RestDrafter(Drafter):
         return self.shape(result) if result is not None else DraftTree.empty()
 
 
-def well_formed(result: Retrieval, max_length: int) -> Retrieval:
-    """``result`` without the candidates no well-behaved datastore returns (empty, longer than
-    ``max_length``, counts not one per token): a datastore is a remote, untrusted input, and one
-    bad candidate must cost its drafts, not the generation."""
-    good = tuple(
-        c
-        for c in result.candidates
-        if c.tokens and len(c.tokens) <= max_length and len(c.counts) == len(c.tokens)
-    )
+def _without_malformed(result: Retrieval, max_length: int) -> Retrieval:
+    """``result`` without the candidates no well-behaved datastore returns (``well_formed``)."""
+    good = well_formed(result.candidates, max_length)
     if len(good) == len(result.candidates):
         return result
     log.warning("dropped %d malformed datastore candidates", len(result.candidates) - len(good))

@@ -300,11 +300,9 @@ class GlideTrainer:
             raise ValueError(
                 f"{path} was trained on another draft vocabulary (the data changed); use another --out"
             )
-        recipe = state.get("recipe")
-        if recipe is not None and recipe != self._recipe():
-            changed = sorted(
-                k for k in set(recipe) | set(self._recipe()) if recipe.get(k) != self._recipe().get(k)
-            )
+        recipe, mine = state.get("recipe"), self._recipe()
+        if recipe is not None and recipe != mine:
+            changed = sorted(k for k in set(recipe) | set(mine) if recipe.get(k) != mine.get(k))
             raise ValueError(
                 f"{path} was trained with other settings ({', '.join(changed)}); use another --out"
             )
