@@ -3,8 +3,8 @@
 - Every call has a deadline (``timeout``, default 300 s for generation, 10 s otherwise).
 - gRPC's own retry policy retries UNAVAILABLE with exponential backoff on one worker, throttled
   as gRFC A6 says (retries stop while more than half the recent calls failed); when a worker
-  stays unavailable or is at its limit (RESOURCE_EXHAUSTED), the client fails over to the next
-  address it knows.
+  stays unavailable, is at its limit (RESOURCE_EXHAUSTED) or cancelled the call while shutting
+  down (CANCELLED), the client fails over to the next address it knows.
 - ``security`` (``specdraft.security.ClientSecurity``): TLS, mutual TLS and a bearer token.
 - A stream is only retried or failed over before its first chunk arrived (afterwards the
   output would be duplicated).
@@ -37,7 +37,12 @@ RETRY_POLICY = {
     ],
     "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
 }
-FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+"""Statuses after which a call (before its first chunk) is tried on the next worker. CANCELLED
+reaches a caller that cancelled nothing when a worker shut down while the call waited for its
+handler: gRPC's core cancels such calls instead of answering UNAVAILABLE (grpc/grpc#41785; seen
+in ``specdraft chaos`` when a worker was terminated under load). A generation has no side
+effects, so trying it elsewhere is safe."""
 CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 1),
     ("grpc.service_config", json.dumps(RETRY_POLICY)),

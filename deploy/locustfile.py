@@ -19,13 +19,13 @@ local stack's state file (``specdraft up``). Examples::
         --html bench-out/loadtest.html --mode pld --max-new-tokens 64
 
 A user keeps a channel to every worker and starts at a random one; a call refused with
-UNAVAILABLE or RESOURCE_EXHAUSTED before its first token fails over to the next worker (as
-``client.grpc_client`` does). A call that fails on every worker, or with any other status, is a
-locust failure (the status name is the error). ``--record-outputs FILE`` appends each finished
-generation (prompt index and text, mode, worker, token ids) as a JSON line, for ``specdraft
-chaos`` to compare with ``ar``. (The text is recorded because the suite quotes standard-library
-documentation, which gevent's monkey-patching changes here: the prompts differ from another
-process's.)
+UNAVAILABLE, RESOURCE_EXHAUSTED or CANCELLED (a worker shutting down) before its first token
+fails over to the next worker (``client.grpc_client.FAILOVER_CODES``). A call that fails on every
+worker, or with any other status, is a locust failure (the status name is the error).
+``--record-outputs FILE`` appends each finished generation (prompt index and text, mode, worker,
+token ids) as a JSON line, for ``specdraft chaos`` to compare with ``ar``. (The text is recorded
+because the suite quotes standard-library documentation, which gevent's monkey-patching changes
+here: the prompts differ from another process's.)
 """
 
 from __future__ import annotations

@@ -318,6 +318,32 @@ def test_client_fails_over_to_a_live_worker(server: ServerThread) -> None:
     assert resp.worker_id == "w-test" and chunks[-1].HasField("final")
 
 
+class _CancelsEverything(generation_pb2_grpc.GenerationServicer):
+    """A worker that shut down while the calls waited for a handler: gRPC's core answers them
+    CANCELLED, not UNAVAILABLE (grpc/grpc#41785)."""
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+    def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+
+def test_client_fails_over_from_a_worker_that_cancelled_the_call_while_stopping(server: ServerThread) -> None:
+    stopping = grpc.server(ThreadPoolExecutor(max_workers=2))
+    generation_pb2_grpc.add_GenerationServicer_to_server(_CancelsEverything(), stopping)
+    port = stopping.add_insecure_port("127.0.0.1:0")
+    stopping.start()
+    try:
+        with GenerationClient([f"127.0.0.1:{port}", server.address], timeout=30) as client:
+            request = build_request(text="hi", options=RequestOptions(max_new_tokens=3))
+            resp = client.generate(request)
+            chunks = list(client.generate_stream(request))
+    finally:
+        stopping.stop(0)
+    assert resp.worker_id == "w-test" and chunks[-1].HasField("final")
+
+
 def test_cli_generate_with_server_prints_the_in_process_json(
     tiny_dir: Path, server: ServerThread, capsys: pytest.CaptureFixture[str]
 ) -> None:
