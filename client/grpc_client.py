@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from llm_worker.config import DEFAULT_MODE
 from specdraft.security import ClientSecurity
 from specdraft.stubs import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -56,7 +57,7 @@ CHANNEL_OPTIONS = [
 class RequestOptions:
     """What a caller may set per request (see proto/specdraft/v1/generation.proto)."""
 
-    mode: str = "ar"
+    mode: str = DEFAULT_MODE
     max_new_tokens: int = 0
     temperature: float = 0.0
     top_p: float = 1.0

@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+
+from specdraft.tokenizer import Tokenizer
 
 
 class CorpusError(ValueError):
     """A corpus line that is not one of the accepted shapes; the message names file and line."""
 
 
-def _messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
+def _messages(record: dict[str, object], where: str) -> list[dict[str, str]]:
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise CorpusError(f"{where}: messages must be a non-empty list")
@@ -32,7 +33,7 @@ def _messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
     return out
 
 
-def record_text(record: object, tokenizer: Any, where: str) -> str:
+def record_text(record: object, tokenizer: Tokenizer, where: str) -> str:
     """The document text of one corpus record."""
     if not isinstance(record, dict):
         raise CorpusError(f"{where}: expected a JSON object")
@@ -69,7 +70,7 @@ def jsonl_records(path: str | Path) -> Iterator[tuple[str, object]]:
                 raise CorpusError(f"{where}: not JSON ({exc.msg})") from None
 
 
-def read_documents(path: str | Path, tokenizer: Any) -> Iterator[str]:
+def read_documents(path: str | Path, tokenizer: Tokenizer) -> Iterator[str]:
     """Document texts of a JSONL corpus, in file order (blank lines skipped)."""
     for where, record in jsonl_records(path):
         yield record_text(record, tokenizer, where)

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from datastore_svc.manifest import DenseStatsEntry
+
 INDEX_KINDS = ("auto", "flat", "hnsw", "ivf", "ivfpq")
 FLAT_MAX_KEYS = 200_000
 """``auto`` searches exactly up to this many keys per shard, approximately (HNSW) above."""
@@ -102,7 +104,7 @@ class DenseStats:
     def digest(self) -> str:
         return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
 
-    def to_manifest(self) -> dict[str, Any]:
+    def to_manifest(self) -> DenseStatsEntry:
         data = self.to_bytes()
         return {
             "hidden_size": self.hidden_size,
@@ -112,7 +114,7 @@ class DenseStats:
         }
 
     @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> DenseStats:
+    def from_manifest(cls, entry: DenseStatsEntry) -> DenseStats:
         try:
             data = base64.b64decode(entry["npz_base64"], validate=True)
         except (KeyError, TypeError, ValueError) as exc:

@@ -2,10 +2,12 @@
 
 1. Hidden states: the target model reads every shard's documents in windows (``window`` tokens,
    each after ``overlap`` tokens of the document's preceding text as context), batched, and
-   keeps the last hidden state (after the final norm) of every token. The states are cached on
-   disk per chunk of documents (``chunk_tokens`` tokens), named by a hash of the model, the
-   window settings and the chunk's tokens — a rebuild with other PCA dimensions or another index
-   type reads the cache instead of running the model, and an interrupted build resumes.
+   keeps the last hidden state (after the final norm) of every token. The model is an
+   ``Encoder`` the caller gives (``llm_worker.encoders.ModelEncoder``): this layer cuts and
+   batches the windows, never runs the model itself. The states are cached on disk per chunk of
+   documents (``chunk_tokens`` tokens), named by a hash of the model, the window settings and
+   the chunk's tokens — a rebuild with other PCA dimensions or another index type reads the
+   cache instead of running the model, and an interrupted build resumes.
 2. Statistics: z-score and PCA (``dense.fit_stats``) on an evenly spread sample of the states.
 3. Keys: every state with a next token in its document, reduced; one FAISS index and the keys'
    token positions per shard (``dense.build_faiss_index``).
@@ -22,11 +24,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from datastore_svc.dense import DenseStats, IndexParams, build_faiss_index, choose_kind, fit_stats
+from datastore_svc.manifest import DenseEntry, Manifest
+from datastore_svc.store import Extend, load_shard_arrays, shard_dir
 from specdraft.common import atomic_path
 
 INDEX_FILE = "dense.faiss"
@@ -79,15 +83,35 @@ def default_cache_dir() -> Path:
     return cache_root() / "hidden"
 
 
+class Encoder(Protocol):
+    """The target model as the dense build sees it: the last hidden states (after the final
+    norm) of a batch of token windows. Built from the model by the layer that runs it
+    (``llm_worker.encoders.ModelEncoder``)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def precision(self) -> str:
+        """The states' precision (the model's dtype, e.g. ``torch.bfloat16``): part of the
+        hidden-state cache's key, as states of another precision are other states."""
+        ...
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """``ids``, ``mask`` [batch, width] int64 (each row a window, left-aligned; mask 1 on its
+        tokens, 0 on the padding after them) → [batch, width, hidden_size] float32 states."""
+        ...
+
+
 class HiddenStates:
     """The target's last hidden states of documents, computed in batched windows and cached per chunk."""
 
-    def __init__(self, model: Any, fingerprint: str, cfg: DenseBuildConfig) -> None:
-        self.model = model
+    def __init__(self, encoder: Encoder, fingerprint: str, cfg: DenseBuildConfig) -> None:
+        self.encoder = encoder
         self.cfg = cfg
         self.cache = cfg.cache_dir or default_cache_dir()
-        self.salt = f"{fingerprint}|w{cfg.window}|o{cfg.overlap}|{next(model.parameters()).dtype}"
-        self.hidden_size = int(model.config.get_text_config().hidden_size)
+        self.salt = f"{fingerprint}|w{cfg.window}|o{cfg.overlap}|{encoder.precision}"
+        self.hidden_size = encoder.hidden_size
 
     def chunk_path(self, docs: list[np.ndarray]) -> Path:
         h = hashlib.sha256(self.salt.encode())
@@ -112,9 +136,7 @@ class HiddenStates:
         return states, False
 
     def compute(self, docs: list[np.ndarray]) -> np.ndarray:
-        """Run the model: every document cut into windows, the windows batched by length."""
-        import torch
-
+        """Run the encoder: every document cut into windows, the windows batched by length."""
         cfg = self.cfg
         pieces = []  # (doc, first kept token, context start, end)
         step = cfg.window - cfg.overlap
@@ -126,23 +148,18 @@ class HiddenStates:
         np.cumsum([len(d) for d in docs], out=offsets[1:])
         out = np.zeros((int(offsets[-1]), self.hidden_size), dtype=np.float16)
         pieces.sort(key=lambda p: p[3] - p[2])
-        device = next(self.model.parameters()).device
-        with torch.inference_mode():
-            for i in range(0, len(pieces), cfg.batch):
-                group = pieces[i : i + cfg.batch]
-                width = max(end - ctx for _, _, ctx, end in group)
-                ids = torch.zeros((len(group), width), dtype=torch.long)
-                mask = torch.zeros((len(group), width), dtype=torch.long)
-                for r, (d, _, ctx, end) in enumerate(group):
-                    ids[r, : end - ctx] = torch.from_numpy(np.asarray(docs[d][ctx:end], dtype=np.int64))
-                    mask[r, : end - ctx] = 1
-                hidden = self.model.base_model(
-                    input_ids=ids.to(device), attention_mask=mask.to(device)
-                ).last_hidden_state
-                hidden = hidden.float().cpu().numpy()
-                for r, (d, begin, ctx, end) in enumerate(group):
-                    base = offsets[d]
-                    out[base + begin : base + end] = hidden[r, begin - ctx : end - ctx]
+        for i in range(0, len(pieces), cfg.batch):
+            group = pieces[i : i + cfg.batch]
+            width = max(end - ctx for _, _, ctx, end in group)
+            ids = np.zeros((len(group), width), dtype=np.int64)  # [batch, width]
+            mask = np.zeros((len(group), width), dtype=np.int64)  # [batch, width]
+            for r, (d, _, ctx, end) in enumerate(group):
+                ids[r, : end - ctx] = np.asarray(docs[d][ctx:end], dtype=np.int64)
+                mask[r, : end - ctx] = 1
+            hidden = self.encoder(ids, mask)  # [batch, width, hidden] float32
+            for r, (d, begin, ctx, end) in enumerate(group):
+                base = offsets[d]
+                out[base + begin : base + end] = hidden[r, begin - ctx : end - ctx]
         return out
 
 
@@ -169,8 +186,8 @@ def chunks(docs: list[tuple[int, np.ndarray]], chunk_tokens: int) -> Iterator[li
 
 def build_dense(
     version_dir: Path,
-    manifest: dict[str, Any],
-    model: Any,
+    manifest: Manifest,
+    encoder: Encoder,
     fingerprint: str,
     cfg: DenseBuildConfig,
     progress: bool = True,
@@ -182,11 +199,9 @@ def build_dense(
     """
     from tqdm import tqdm
 
-    from datastore_svc.store import load_shard_arrays, shard_dir
-
     report = DenseBuildReport()
     separator = int(manifest["separator"])
-    states = HiddenStates(model, fingerprint, cfg)
+    states = HiddenStates(encoder, fingerprint, cfg)
     shards = []  # per shard: list of (chunk docs)
     for entry in manifest["shards"]:
         arrays = load_shard_arrays(version_dir, int(entry["index"]))
@@ -246,27 +261,28 @@ def build_dense(
     return report
 
 
-def dense_step(model: Any, name: str, fingerprint: str, cfg: DenseBuildConfig, progress: bool = True) -> Any:
-    """The ``store.Extend`` step that adds the dense index (``build_dense``) and its manifest entry."""
+def dense_step(
+    encoder: Encoder, name: str, fingerprint: str, cfg: DenseBuildConfig, progress: bool = True
+) -> Extend:
+    """The ``store.Extend`` step that adds the dense index (``build_dense``) and returns its
+    manifest entry; ``name`` and ``fingerprint`` are the model's the encoder runs."""
 
-    def extend(version_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        report = build_dense(version_dir, manifest, model, fingerprint, cfg, progress)
+    def extend(version_dir: Path, manifest: Manifest) -> DenseEntry:
+        report = build_dense(version_dir, manifest, encoder, fingerprint, cfg, progress)
         assert report.stats is not None
         return {
-            "dense": {
-                "model": name,
-                "model_fingerprint": fingerprint,
-                "dims": report.stats.dims,
-                "index": report.kind,
-                "keys": report.keys,
-                "params": dataclasses.asdict(cfg.params),
-                "window": cfg.window,
-                "overlap": cfg.overlap,
-                "sample": cfg.sample,
-                "seconds": {k: round(v, 3) for k, v in report.seconds.items()},
-                "chunks": {"cached": report.cached_chunks, "computed": report.computed_chunks},
-                "stats": report.stats.to_manifest(),
-            }
+            "model": name,
+            "model_fingerprint": fingerprint,
+            "dims": report.stats.dims,
+            "index": report.kind,
+            "keys": report.keys,
+            "params": dataclasses.asdict(cfg.params),
+            "window": cfg.window,
+            "overlap": cfg.overlap,
+            "sample": cfg.sample,
+            "seconds": {k: round(v, 3) for k, v in report.seconds.items()},
+            "chunks": {"cached": report.cached_chunks, "computed": report.computed_chunks},
+            "stats": report.stats.to_manifest(),
         }
 
     return extend

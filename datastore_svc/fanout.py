@@ -126,7 +126,9 @@ class RemoteDatastore:
         results = [sparse_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
         return SparseAnswer(merge(results, cfg.max_nodes, cfg.max_candidates), chosen)
 
-    def _gather(self, request: datastore_pb2.RetrieveRequest) -> list[tuple[str, Any]]:
+    def _gather(
+        self, request: datastore_pb2.RetrieveRequest
+    ) -> list[tuple[str, datastore_pb2.RetrieveResponse]]:
         """(address, response) of every shard that answered in time."""
         calls = [stub.Retrieve.future(request, timeout=self.deadline_seconds) for stub in self._stubs]
         answers = []
@@ -172,10 +174,12 @@ class RemoteDatastore:
         return [a for a in self.addresses if a in self.foreign], silent
 
     @staticmethod
-    def _chosen(answers: list[tuple[str, Any]], version: str) -> str:
+    def _chosen(answers: list[tuple[str, datastore_pb2.RetrieveResponse]], version: str) -> str:
         return version or Counter(a.version for _, a in answers).most_common(1)[0][0]
 
-    def _of_version(self, answers: list[tuple[str, Any]], chosen: str) -> Iterator[Any]:
+    def _of_version(
+        self, answers: list[tuple[str, datastore_pb2.RetrieveResponse]], chosen: str
+    ) -> Iterator[datastore_pb2.RetrieveResponse]:
         """The answers of version ``chosen``; the others are counted and reported, not merged."""
         for address, answer in answers:
             if answer.version == chosen:
@@ -334,7 +338,7 @@ def swap_loaded(
     ``expected[i]`` (compare-and-swap). If a shard fails, the shards already swapped return to
     their previous version and SwapError says what happened. (previous, current) per shard."""
     channels, stubs = _admin_stubs(addresses, security or ClientSecurity())
-    done: list[tuple[str, Any, str]] = []  # (address, stub, previous)
+    done: list[tuple[str, datastore_pb2_grpc.DatastoreAdminStub, str]] = []  # (address, stub, previous)
     try:
         for address, stub, before in zip(addresses, stubs, expected, strict=True):
             request = datastore_pb2.SwapVersionRequest(version=version, expected_previous=before)
@@ -357,7 +361,9 @@ _UNKNOWN_OUTCOME = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILAB
 """A swap call that failed with these may still have swapped on the shard."""
 
 
-def _undo_unanswered(address: str, stub: Any, before: str, version: str, timeout: float) -> str:
+def _undo_unanswered(
+    address: str, stub: datastore_pb2_grpc.DatastoreAdminStub, before: str, version: str, timeout: float
+) -> str:
     """Return a shard whose swap call got no answer to ``before`` if it did swap (compare-and-swap
     from ``version``: a shard that never swapped refuses, which is the outcome wanted)."""
     request = datastore_pb2.SwapVersionRequest(version=before, expected_previous=version)
@@ -370,7 +376,9 @@ def _undo_unanswered(address: str, stub: Any, before: str, version: str, timeout
     return f"{address} had swapped without answering and was returned to {before!r}"
 
 
-def _roll_back(done: list[tuple[str, Any, str]], version: str, timeout: float) -> str:
+def _roll_back(
+    done: list[tuple[str, datastore_pb2_grpc.DatastoreAdminStub, str]], version: str, timeout: float
+) -> str:
     """Return the shards in ``done`` from ``version`` to their previous one; what happened."""
     if not done:
         return "no shard had swapped"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from datastore_svc.manifest import Manifest
 from datastore_svc.store import ARRAYS, DENSE_FILES, DatastoreVersion
 
 SPARSE_FILES = tuple(f"{name}.npy" for name in ARRAYS)
 
 
-def file_bytes(manifest: dict[str, Any], names: tuple[str, ...]) -> int:
+def file_bytes(manifest: Manifest, names: tuple[str, ...]) -> int:
     """Bytes of the files called ``names`` over every shard of a manifest."""
     return sum(f["bytes"] for s in manifest["shards"] for n, f in s["files"].items() if n in names)
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -33,8 +33,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from datastore_svc.cache import StatsCache, link_for
-from datastore_svc.dense import DenseConfig, DenseRetrieval
-from datastore_svc.retrieval import Retrieval, RetrievalConfig
+from datastore_svc.dense import DenseConfig, DenseRetrieval, DenseSource
+from datastore_svc.retrieval import Retrieval, RetrievalConfig, Source
 from datastore_svc.shard import (
     BadVersionName,
     ShardState,
@@ -171,7 +171,7 @@ def dense_response(result: DenseRetrieval, version: str) -> datastore_pb2.Retrie
     return resp
 
 
-def _fill_source(msg: Any, source: Any) -> None:
+def _fill_source(msg: datastore_pb2.Candidate, source: Source | DenseSource | None) -> None:
     """The candidate message's source (shard, document, offset), if the candidate has one."""
     if source is not None:
         msg.source.shard = source.shard
@@ -200,7 +200,9 @@ class _Counted:
 
     metrics: ShardMetrics
 
-    async def _abort(self, context: Any, method: str, code: grpc.StatusCode, message: str) -> None:
+    async def _abort(
+        self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, message: str
+    ) -> None:
         self.metrics.requests.labels(method, code.name).inc()
         await context.abort(code, message)
 
@@ -214,7 +216,7 @@ class DatastoreServicer(_Counted, datastore_pb2_grpc.DatastoreServicer):
         self.pending = 0
         self.executor = ThreadPoolExecutor(max_workers=cfg.retrieve_threads, thread_name_prefix="retrieve")
 
-    async def _compute(self, context: Any, work: Callable[[], T]) -> T:
+    async def _compute(self, context: grpc.aio.ServicerContext, work: Callable[[], T]) -> T:
         """Run ``work`` in the retrieval pool: refused beyond ``max_pending``, dropped if the
         caller's deadline passes before it starts."""
         if self.pending >= self.cfg.max_pending:
@@ -246,7 +248,9 @@ class DatastoreServicer(_Counted, datastore_pb2_grpc.DatastoreServicer):
             self.pending -= 1
             self.metrics.pending.set(self.pending)
 
-    async def Retrieve(self, request: Any, context: Any) -> datastore_pb2.RetrieveResponse:
+    async def Retrieve(
+        self, request: datastore_pb2.RetrieveRequest, context: grpc.aio.ServicerContext
+    ) -> datastore_pb2.RetrieveResponse:
         t0 = time.perf_counter()
         if self.draining:
             await self._abort(context, "Retrieve", grpc.StatusCode.UNAVAILABLE, "the shard is shutting down")
@@ -285,7 +289,9 @@ class DatastoreServicer(_Counted, datastore_pb2_grpc.DatastoreServicer):
         self.metrics.requests.labels("Retrieve", "OK").inc()
         return sparse_response(result, version)
 
-    async def _retrieve_dense(self, request: Any, context: Any, t0: float) -> datastore_pb2.RetrieveResponse:
+    async def _retrieve_dense(
+        self, request: datastore_pb2.RetrieveRequest, context: grpc.aio.ServicerContext, t0: float
+    ) -> datastore_pb2.RetrieveResponse:
         try:
             store = self.state.version(request.version)
         except VersionNotLoaded as exc:
@@ -318,7 +324,9 @@ class DatastoreServicer(_Counted, datastore_pb2_grpc.DatastoreServicer):
         self.metrics.requests.labels("Retrieve", "OK").inc()
         return dense_response(result, version)
 
-    async def GetShardInfo(self, request: Any, context: Any) -> datastore_pb2.ShardInfo:
+    async def GetShardInfo(
+        self, request: datastore_pb2.ShardInfoRequest, context: grpc.aio.ServicerContext
+    ) -> datastore_pb2.ShardInfo:
         try:
             store = self.state.version(request.version)
         except VersionNotLoaded as exc:
@@ -360,7 +368,9 @@ class AdminServicer(_Counted, datastore_pb2_grpc.DatastoreAdminServicer):
             f"{self.state.versions_root}/", ""
         )
 
-    async def LoadVersion(self, request: Any, context: Any) -> datastore_pb2.LoadVersionResponse:
+    async def LoadVersion(
+        self, request: datastore_pb2.LoadVersionRequest, context: grpc.aio.ServicerContext
+    ) -> datastore_pb2.LoadVersionResponse:
         try:
             name = await asyncio.to_thread(self.state.load, request.version)
         except BadVersionName as exc:
@@ -375,7 +385,9 @@ class AdminServicer(_Counted, datastore_pb2_grpc.DatastoreAdminServicer):
         self.metrics.requests.labels("LoadVersion", "OK").inc()
         return datastore_pb2.LoadVersionResponse(version=name, current=self.state.current_version())
 
-    async def SwapVersion(self, request: Any, context: Any) -> datastore_pb2.SwapVersionResponse:
+    async def SwapVersion(
+        self, request: datastore_pb2.SwapVersionRequest, context: grpc.aio.ServicerContext
+    ) -> datastore_pb2.SwapVersionResponse:
         try:
             previous, current = self.state.swap(request.version, request.expected_previous)
         except (VersionNotLoaded, UnexpectedVersion) as exc:

@@ -13,6 +13,7 @@ A version is an immutable directory::
 
 A dense version's manifest also holds the z-score / PCA statistics that turn the target's
 hidden state into a query (``datastore_svc.dense``, built by ``datastore_svc.dense_build``).
+The manifest's fields and their types: ``datastore_svc.manifest``.
 
 A build writes everything into a hidden temporary directory beside ``VERSION`` and renames it
 into place last, so a crashed build never leaves a half-written version; an existing version is
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import numpy as np
 
@@ -46,10 +47,20 @@ from datastore_svc.dense import (
     index_to_gpu,
     merge_dense,
 )
+from datastore_svc.manifest import (
+    BuildInfo,
+    DenseEntry,
+    FileEntry,
+    Manifest,
+    ShardEntry,
+    TokenizerIdentity,
+    check_manifest,
+)
 from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
 from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
 from specdraft.common import sha256_file, temp_sibling
+from specdraft.tokenizer import Tokenizer
 
 FORMAT = "specdraft-datastore"
 FORMAT_VERSION = 2
@@ -57,16 +68,16 @@ MANIFEST = "manifest.json"
 ARRAYS = ("tokens", "sa", "docs")
 DENSE_FILES = ("dense.faiss", "positions.npy")
 
-Extend = Callable[[Path, dict[str, Any]], dict[str, Any]]
-"""A build step after the token arrays exist in the temporary directory (e.g. the dense index):
-it may add files to each shard directory and returns the manifest entries to add."""
+Extend = Callable[[Path, Manifest], DenseEntry]
+"""The build step after the token arrays exist in the temporary directory: the dense index. It
+adds its files to each shard directory and returns the manifest's ``dense`` entry."""
 
 
 class DatastoreError(Exception):
     """A datastore version that cannot be used: missing, corrupt, partial or mismatched."""
 
 
-def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+def tokenizer_identity(tokenizer: Tokenizer) -> TokenizerIdentity:
     """Name, size and a fingerprint of the vocabulary (token → id) and special tokens."""
     vocab = sorted(tokenizer.get_vocab().items())
     special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
@@ -97,7 +108,10 @@ class BuildReport:
 
 
 def tokenize_documents(
-    texts: Iterable[str], tokenizer: Any, batch: int = 256, progress: Callable[[int], None] | None = None
+    texts: Iterable[str],
+    tokenizer: Tokenizer,
+    batch: int = 256,
+    progress: Callable[[int], None] | None = None,
 ) -> list[np.ndarray]:
     """Token ids of each document (no special tokens added; chat templates carry their own)."""
     docs: list[np.ndarray] = []
@@ -150,7 +164,7 @@ def shard_arrays(docs: Sequence[np.ndarray], separator: int) -> dict[str, np.nda
 
 def build(
     corpus: str | Path,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     out: str | Path,
     shards: int = 1,
     model_name: str = "",
@@ -169,7 +183,7 @@ def build(
     if not docs:
         raise DatastoreError(f"{corpus}: no documents")
     tokenize_seconds = time.perf_counter() - t0
-    source = {"corpus": str(corpus), "corpus_sha256": sha256_file(Path(corpus))}
+    source: BuildInfo = {"corpus": str(corpus), "corpus_sha256": sha256_file(Path(corpus))}
     report = write_version(
         docs, out, len(tokenizer), tokenizer_identity(tokenizer), shards, model_name, source, progress, extend
     )
@@ -188,10 +202,10 @@ def write_version(
     docs: Sequence[np.ndarray],
     out: str | Path,
     separator: int,
-    tokenizer: dict[str, Any],
+    tokenizer: TokenizerIdentity,
     shards: int = 1,
     model_name: str = "",
-    source: dict[str, Any] | None = None,
+    source: BuildInfo | None = None,
     progress: bool = False,
     extend: Extend | None = None,
 ) -> BuildReport:
@@ -209,7 +223,7 @@ def write_version(
     seconds = {"suffix_array": 0.0, "write": 0.0}
     try:
         groups = assign_shards([len(d) for d in docs], shards)
-        manifest_shards = []
+        manifest_shards: list[ShardEntry] = []
         total_bytes = 0
         bar = tqdm(groups, desc="suffix arrays", unit="shard", disable=not progress)
         for index, members in enumerate(bar):
@@ -218,7 +232,7 @@ def write_version(
             t2 = time.perf_counter()
             sdir = tmp / shard_dir(index)
             sdir.mkdir(parents=True)
-            files = {}
+            files: dict[str, FileEntry] = {}
             for name in ARRAYS:
                 path = sdir / f"{name}.npy"
                 np.save(path, arrays[name])
@@ -230,7 +244,7 @@ def write_version(
                 {"index": index, "tokens": len(arrays["tokens"]), "documents": len(members), "files": files}
             )
         num_tokens = int(sum(len(d) for d in docs))
-        manifest: dict[str, Any] = {
+        manifest: Manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "version": out.name,
@@ -256,9 +270,9 @@ def write_version(
     return BuildReport(out, out.name, len(docs), num_tokens, seconds, total_bytes)
 
 
-def _extend(tmp: Path, manifest: dict[str, Any], extend: Extend) -> int:
+def _extend(tmp: Path, manifest: Manifest, extend: Extend) -> int:
     """Run ``extend`` on the temporary version; checksum the files it added. Returns their bytes."""
-    manifest.update(extend(tmp, manifest))
+    manifest["dense"] = extend(tmp, manifest)
     added = 0
     for entry in manifest["shards"]:
         sdir = tmp / shard_dir(int(entry["index"]))
@@ -270,12 +284,12 @@ def _extend(tmp: Path, manifest: dict[str, Any], extend: Extend) -> int:
     return added
 
 
-def _file_entry(path: Path) -> dict[str, Any]:
+def _file_entry(path: Path) -> FileEntry:
     """A file's manifest entry: its size and SHA-256 (checked when a version is opened)."""
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def _finish(tmp: Path, out: Path, manifest: dict[str, Any]) -> None:
+def _finish(tmp: Path, out: Path, manifest: Manifest) -> None:
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     os.rename(tmp, out)  # the version appears whole, or not at all
 
@@ -325,7 +339,7 @@ def _library_version() -> str:
 # -- open -------------------------------------------------------------------------------------------
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> Manifest:
     """The version's manifest, checked by type (``check_manifest``); DatastoreError names what
     is wrong."""
     file = path / MANIFEST
@@ -348,42 +362,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     problem = check_manifest(manifest)
     if problem:
         raise DatastoreError(f"{file}: {problem}")
-    return manifest
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_manifest(manifest: dict[str, Any]) -> str:
-    """What is wrong with the manifest's fields, by type ("" = nothing): a malformed manifest is
-    refused before any of it is used."""
-    for key in ("version", "tokenizer", "separator", "shards"):
-        if key not in manifest:
-            return f"lacks {key!r}"
-    if not isinstance(manifest["version"], str) or not manifest["version"]:
-        return "field 'version' must be a non-empty string"
-    if not isinstance(manifest["tokenizer"], dict):
-        return "field 'tokenizer' must be an object"
-    if not _is_int(manifest["separator"]) or manifest["separator"] < 1:
-        return "field 'separator' must be a positive integer"
-    shards = manifest["shards"]
-    if not isinstance(shards, list) or not shards:
-        return "field 'shards' must be a non-empty list"
-    for i, entry in enumerate(shards):
-        if not isinstance(entry, dict) or not _is_int(entry.get("index")) or not _is_int(entry.get("tokens")):
-            return f"field 'shards[{i}]' must be an object with integer 'index' and 'tokens'"
-        files = entry.get("files", {})
-        if not isinstance(files, dict) or not all(
-            isinstance(f, dict) and _is_int(f.get("bytes")) and isinstance(f.get("sha256"), str)
-            for f in files.values()
-        ):
-            return f"field 'shards[{i}].files' must map names to {{bytes, sha256}}"
-    if "dense" in manifest and (
-        not isinstance(manifest["dense"], dict) or not isinstance(manifest["dense"].get("stats", {}), dict)
-    ):
-        return "field 'dense' must be an object with an object 'stats'"
-    return ""
+    return cast(Manifest, manifest)  # checked by type just above
 
 
 @dataclass
@@ -411,7 +390,7 @@ class Shard:
         )
 
 
-def _checked_file(path: Path, entry: dict[str, Any], index: int, name: str, verify: bool) -> Path:
+def _checked_file(path: Path, entry: ShardEntry, index: int, name: str, verify: bool) -> Path:
     sdir = path / shard_dir(index)
     file = sdir / name
     expected = entry.get("files", {}).get(name)
@@ -440,7 +419,7 @@ def load_shard_arrays(path: Path, index: int) -> dict[str, np.ndarray]:
     return {name: _load_array(path / shard_dir(index) / f"{name}.npy") for name in ARRAYS}
 
 
-def _open_dense(path: Path, entry: dict[str, Any], index: int, verify: bool, tokens: int) -> DenseIndex:
+def _open_dense(path: Path, entry: ShardEntry, index: int, verify: bool, tokens: int) -> DenseIndex:
     import faiss
 
     index_file = _checked_file(path, entry, index, DENSE_FILES[0], verify)
@@ -463,9 +442,7 @@ def _open_dense(path: Path, entry: dict[str, Any], index: int, verify: bool, tok
         raise DatastoreError(f"{path / shard_dir(index)}: {exc}") from None
 
 
-def open_shard(
-    path: Path, manifest: dict[str, Any], index: int, verify: bool = True, dense: bool = True
-) -> Shard:
+def open_shard(path: Path, manifest: Manifest, index: int, verify: bool = True, dense: bool = True) -> Shard:
     entries = {s.get("index"): s for s in manifest["shards"] if isinstance(s, dict)}
     if index not in entries:
         raise DatastoreError(f"{path}: no shard {index} (the version has {len(entries)})")

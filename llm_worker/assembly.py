@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from datastore_svc.protocols import Datastore
 from llm_worker.config import ModelConfig
@@ -21,6 +21,7 @@ from llm_worker.model import load_target
 from llm_worker.model.loading import ModelNotFoundError
 from llm_worker.model.target import TargetModel
 from specdraft.security import ClientSecurity
+from specdraft.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_model(cfg: ModelConfig) -> tuple[TargetModel, Any]:
+def load_model(cfg: ModelConfig) -> tuple[TargetModel, Tokenizer]:
     """(target, tokenizer); AssemblyError for a missing model or an impossible configuration."""
     quiet_libraries()
     try:
@@ -75,7 +76,7 @@ def load_model(cfg: ModelConfig) -> tuple[TargetModel, Any]:
         raise AssemblyError(str(exc)) from exc
 
 
-def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
+def build_resources(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> DraftResources:
     """The datastore (local or remote) and the dense caches of ``cfg``; none of them when
     ``cfg`` names no datastore."""
     if cfg.datastore_path and cfg.datastore_addresses:
@@ -88,12 +89,9 @@ def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
         gpu = None  # dense search on the model's GPU when faiss-gpu is installed, else on the CPU
         if cfg.device.startswith("cuda") and faiss_gpus() > 0:
             gpu = int(cfg.device.split(":")[1]) if ":" in cfg.device else 0
+        fingerprint = None if tokenizer is None else tokenizer_identity(tokenizer)["fingerprint"]
         try:
-            version = DatastoreVersion(
-                cfg.datastore_path,
-                tokenizer_fingerprint=tokenizer_identity(tokenizer)["fingerprint"],
-                faiss_gpu=gpu,
-            )
+            version = DatastoreVersion(cfg.datastore_path, tokenizer_fingerprint=fingerprint, faiss_gpu=gpu)
         except DatastoreError as exc:
             raise AssemblyError(str(exc)) from exc
         datastore = LocalRetriever(version)
@@ -149,7 +147,7 @@ def build_resources(cfg: ResourceConfig, tokenizer: Any) -> DraftResources:
 
 def load_engine(
     model: ModelConfig, resources: ResourceConfig | None = None
-) -> tuple[Engine, TargetModel, Any]:
+) -> tuple[Engine, TargetModel, Tokenizer]:
     """(engine, target, tokenizer): the model of ``model`` drafting from ``resources``."""
     target, tokenizer = load_model(model)
     return (
@@ -159,7 +157,7 @@ def load_engine(
     )
 
 
-def load_tokenizer(model_path: str | None) -> tuple[Any, Any]:
+def load_tokenizer(model_path: str | None) -> tuple[Tokenizer, Path]:
     """(tokenizer, model directory) of ``model_path`` (None: the default model), without the
     weights."""
     quiet_libraries()
@@ -171,4 +169,5 @@ def load_tokenizer(model_path: str | None) -> tuple[Any, Any]:
         path = resolve_model_dir(model_path)
     except ModelNotFoundError as exc:
         raise AssemblyError(str(exc)) from exc
-    return AutoTokenizer.from_pretrained(path), path
+    # a transformers tokenizer is a Tokenizer at run time; its methods are typed for more calls
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(path)), path

@@ -11,7 +11,6 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +18,7 @@ import torch
 from llm_worker.drafters.heads import HeadsFile, copy_source, rank_heads
 from llm_worker.model.target import SequenceState, TargetModel
 from llm_worker.types import ArtifactNeeds
+from specdraft.tokenizer import Tokenizer
 
 
 def attention_argmax(
@@ -83,7 +83,7 @@ def calibrate_heads(
 
 def calibrate_to_file(
     target: TargetModel,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     texts: Sequence[str],
     max_new_tokens: int,
     out: Path | None = None,

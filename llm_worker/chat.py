@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from specdraft.tokenizer import Tokenizer
 
 
-def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """Plain text → token ids, with the tokenizer's own special tokens (if it adds any)."""
     return list(tokenizer(text)["input_ids"])
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     """Chat turns → token ids, ending with the assistant's header (generation prompt)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; drop --chat")

@@ -11,6 +11,10 @@ from typing import Literal
 
 DType = Literal["float32", "bfloat16", "float16"]
 
+DEFAULT_MODE = "ar"
+"""The drafting mode of a request that names none: plain autoregressive decoding, the reference
+(registered in ``llm_worker.drafters.base``)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:

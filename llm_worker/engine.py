@@ -15,20 +15,22 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from llm_worker.batching import BatchingConfig, BatchScheduler, BatchSession
-from llm_worker.config import EngineConfig, SamplingParams
+from llm_worker.config import DEFAULT_MODE, EngineConfig, SamplingParams
+from llm_worker.costs import CurveCheck, measure_curve_and_cache
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
-from llm_worker.logits import argmax, top_probability
+from llm_worker.logits import argmax
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import ALONE, BatchLoad, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.results import GenerationResult, Provenance
 from llm_worker.sampling import SamplingNoise, warp_logits
+from llm_worker.speculation import Pricer, SpeculationPolicy
 from llm_worker.stats import GenerationStats
 from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftTree
 from llm_worker.verify.steps import decider, verification_for
@@ -58,7 +60,7 @@ class GenerationCancelled(Exception):
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int = 128
-    mode: str = "ar"
+    mode: str = DEFAULT_MODE
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_at_eos: bool = True
     draft_budget: int | None = None  # most draft tokens verified per step; None = the planner's choice
@@ -74,17 +76,12 @@ class StepOutput:
     token_ids: list[int]
 
 
-def _pricer(planner: DraftPlanner, load: BatchLoad, length: int) -> Callable[[int], float]:
-    """Seconds of a forward of the root and n draft tokens at ``length``, beside the batch's
-    other rows under ``load`` (what the planner prices a plan at)."""
-    return lambda n: load.cost(planner.curve, 1 + n, length)
-
-
 class _Artifacts:
     """Hidden states and last-position queries kept for a drafter, for committed positions."""
 
     def __init__(self, target: TargetModel, state: SequenceState, needs: ArtifactNeeds) -> None:
         self.target, self.state, self.needs = target, state, needs
+        self.device = torch.device(target.info.device)  # where every buffer here lives
         self.length = 0
         self.hidden_buf: dict[int, torch.Tensor] = {}  # layer -> [capacity, hidden_size]
         self.queries: dict[tuple[int, int], torch.Tensor] = {}  # (layer, head) -> [head_dim]
@@ -98,7 +95,8 @@ class _Artifacts:
             values = out.hidden[layer].index_select(0, index)
             buf = self.hidden_buf.get(layer)
             if buf is None or buf.shape[0] < self.length + m:
-                grown = torch.empty(max(2 * self.length + m, 1024), values.shape[-1], dtype=values.dtype)
+                capacity = max(2 * self.length + m, 1024)
+                grown = torch.empty(capacity, values.shape[-1], dtype=values.dtype, device=self.device)
                 if buf is not None:
                     grown[: self.length] = buf[: self.length]
                 buf = self.hidden_buf[layer] = grown
@@ -123,13 +121,38 @@ class _Artifacts:
         for layer, heads in by_layer.items():
             keys = self.target.keys(self.state, layer)  # [kv_heads, length, head_dim]
             q = torch.stack([self.queries[(layer, h)] for h in heads])  # [m, head_dim]
-            k = keys[torch.tensor([h // group for h in heads])]  # [m, length, head_dim]
+            k = keys[torch.tensor([h // group for h in heads], device=self.device)]  # [m, length, head_dim]
             logits = torch.einsum("md,mld->ml", q.float(), k.float()) * scale
             for h, row in zip(heads, torch.softmax(logits, dim=-1), strict=True):
                 scores[(layer, h)] = row
         for key in self.needs.query_heads:
             rows.append(scores[key])
         return torch.stack(rows)
+
+    def draft_context(
+        self,
+        tokens: np.ndarray,
+        budget: int,
+        request_state: RequestState,
+        price: Pricer,
+        sampling: SamplingParams,
+        noise: SamplingNoise,
+    ) -> DraftContext:
+        """What a drafter may read this step: the committed ``tokens`` ([T]), and views of the
+        artifacts it needs (kept here, or the target's cache)."""
+        needs, target, state = self.needs, self.target, self.state
+        return DraftContext(
+            tokens,
+            budget,
+            hidden=self.hidden if needs.hidden_layers else None,
+            attention=self.attention if needs.query_heads else None,
+            request_state=request_state,
+            kv=(lambda layer: target.kv(state, layer)) if needs.kv_layers else None,
+            kv_buffers=(lambda layer: target.kv_buffers(state, layer)) if needs.kv_layers else None,
+            verify_seconds=price,
+            sampling=sampling,
+            noise=noise,
+        )
 
 
 class _Output:
@@ -205,6 +228,11 @@ class Engine:
         """Drafts dropped because a token id lay outside the vocabulary (untrusted sources:
         shards, the Redis cache; exported as ``specdraft_drafts_dropped_untrusted``)."""
         self._curve = curve
+        self._curve_check: CurveCheck | None = None
+        """Checks a curve this engine loaded or measured itself against the forwards it times
+        (``llm_worker.costs.CurveCheck``); None for a curve given by the caller, and under
+        batching, where a forward's time is shared by the requests in it."""
+        self._active = 0  # streams in progress: a forward is timed alone only when there is one
         self._modes: OrderedDict[str, _ModeRuntime] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
@@ -217,7 +245,27 @@ class Engine:
             if self._curve is None:
                 max_size = self.config.planner.max_draft_tokens + 1
                 self._curve = load_or_measure_curve(self.target, self.config.cost, max_size)
+                if self.scheduler is None:
+                    target, cost = self.target, self.config.cost
+                    self._curve_check = CurveCheck(
+                        self._curve, lambda: measure_curve_and_cache(target, cost, max_size)
+                    )
             return self._curve
+
+    def _check_curve(self, draft: Draft, context: int, seconds: float) -> None:
+        """Show the curve check a step's forward (``draft``'s nodes and the root after
+        ``context`` cached tokens, ``seconds``) if this request ran alone; when the check measured
+        a new curve, every planner plans with it from the next step on."""
+        check = self._curve_check
+        if check is None or self._active != 1 or not isinstance(draft, DraftTree):
+            return
+        if check.observe(1 + len(draft), context, seconds):
+            with self._lock:
+                self._curve = check.curve
+                for rt in self._modes.values():
+                    for planner in rt.planners.values():
+                        if planner is not None:
+                            planner.curve = check.curve
 
     def runtime(self, mode: str) -> _ModeRuntime:
         """The drafter and planners of ``mode``, kept for the ``MAX_MODE_RUNTIMES`` modes used
@@ -247,6 +295,8 @@ class Engine:
         return len(self._modes)
 
     def validate(self, req: GenerationRequest) -> None:
+        """Refuse a request this engine cannot run (``InvalidRequestError``, with a precise
+        message) before doing any work; ``stream`` calls it unless its caller did."""
         info = self.target.info
         if not req.prompt_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -278,16 +328,23 @@ class Engine:
         assert result is not None
         return result
 
-    def stream(self, req: GenerationRequest) -> Iterator[StepOutput | GenerationResult]:
+    def stream(
+        self, req: GenerationRequest, validated: bool = False
+    ) -> Iterator[StepOutput | GenerationResult]:
         """Yields a StepOutput per step, then the GenerationResult.
 
+        ``validated``: the caller has passed ``req`` through ``validate`` already (a worker does,
+        to refuse a bad request before its stream starts), so it is not checked twice.
         Each step runs under ``torch.inference_mode`` in the thread that asks for it (a server
         may resume the stream from different pool threads; inference mode is thread-local).
         """
-        self.validate(req)
+        if not validated:
+            self.validate(req)
         rt = self.runtime(req.mode)
         session = self.scheduler.session() if self.scheduler is not None else None
         steps = self._decode(req, rt, session)
+        with self._lock:
+            self._active += 1
         try:
             while True:
                 with torch.inference_mode(), session.step() if session else contextlib.nullcontext():
@@ -296,6 +353,8 @@ class Engine:
                     return
                 yield item
         finally:
+            with self._lock:
+                self._active -= 1
             steps.close()
             if session is not None:
                 session.close()
@@ -330,13 +389,38 @@ class Engine:
         assert logits is not None
         return logits
 
+    def _propose(
+        self,
+        rt: _ModeRuntime,
+        planner: DraftPlanner,
+        ctx: DraftContext,
+        confidence: float,
+        budget: DraftBudget,
+        load: BatchLoad,
+    ) -> Draft:
+        """The drafter's proposal, dropped if a token id lies outside the vocabulary, cut to what
+        ``planner`` keeps after ``len(ctx.tokens)`` committed tokens: under the mode's lock (the
+        drafter and its planners are shared by the mode's requests)."""
+        drafter = rt.drafter
+        with rt.lock:
+            draft = drafter.propose(ctx)
+            if len(draft) and not _in_vocabulary(draft, self.target.info.vocab_size):
+                log.warning("%s drafted a token id outside the vocabulary: draft dropped", drafter.name)
+                self.dropped_drafts += 1
+                draft = DraftTree.empty()
+            if len(draft):
+                draft = verification_for(draft).plan(
+                    planner, draft, len(ctx.tokens), confidence, budget, load
+                )
+        return draft
+
     def _decode(
         self, req: GenerationRequest, rt: _ModeRuntime, session: BatchSession | None = None
     ) -> Generator[StepOutput | GenerationResult]:
+        """One request's steps: propose → one target forward → verify → commit → observe."""
         target: TargetModel = session if session is not None else self.target
         drafter, planner = rt.drafter, rt.planners[req.sampling.greedy]
-        needs = drafter.needs
-        sampling = req.sampling
+        needs, sampling = drafter.needs, req.sampling
         noise = SamplingNoise(sampling.seed, target.info.vocab_size)
         decide = decider(sampling, noise)
         stats = GenerationStats()
@@ -344,112 +428,57 @@ class Engine:
 
         state = target.start()
         artifacts = _Artifacts(target, state, needs)
-        prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
+        prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=artifacts.device)
         logits = self._prefill(target, state, artifacts, prompt, needs, req.cancel)
         first = (
             argmax(logits)
             if sampling.greedy
             else noise.choose(warp_logits(logits[None], sampling)[0], len(req.prompt_ids))
         )
-        # the top-1 probability of the last row: the planner's and the gate's feature, a pass over
-        # the vocabulary made only before a step that drafts
-        last_row: torch.Tensor = logits
-        confidence = 0.0
-        measured = False
+        policy = SpeculationPolicy(planner, rt.lock, drafter.gated, root_logits=logits)
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
         request_state = RequestState()
         yield StepOutput(out.emit([first], [NO_SOURCE], drafter.name))
 
-        plain_step: float | None = None  # seconds of a step that verified no draft, measured
-        gap = False  # the last step did not draft
-        # Under load every request's step is waited for by the next forward, so drafting time
-        # is priced into the plan (``BatchLoad.draft_seconds``: this request's mean), and after
-        # a plan that kept nothing the next 1, 2, 4 … 16 steps do not draft at all (the wait
-        # doubles while plans keep coming back empty; no load resets it).
-        draft_seconds = 0.0
-        pause = skip = 0
         while not out.finish:
             # propose
             t0 = time.perf_counter()
             draft: Draft = DraftTree.empty()
             remaining = req.max_new_tokens - len(out.generated)
             budget = planner.step_budget(remaining, req.draft_budget) if planner is not None else NO_BUDGET
-            drafting = planner is not None and budget.tree_nodes > 0
-            # the others in the forward, one snapshot a step (it takes the scheduler's lock);
-            # under load it carries this request's drafting time for the plan
-            load = replace(session.load(), draft_seconds=draft_seconds) if session is not None else ALONE
-            loaded = load.rows > 0
-            if not loaded:
-                pause = skip = 0
-            elif drafting and skip:
-                skip -= 1
-                drafting = False
-                stats.gated_steps += 1
-            if drafting and not measured:
-                confidence, measured = top_probability(last_row), True
-            if planner is not None and drafting and drafter.gated:
-                with rt.lock:
-                    drafting = planner.gate.open(confidence)
-                stats.gated_steps += int(not drafting)
-            price = _pricer(planner, load, out.length) if planner is not None and drafting else None
-            if planner is not None and drafting:
-                ctx = DraftContext(
-                    out.context(),
-                    budget.tree_nodes,
-                    hidden=artifacts.hidden if needs.hidden_layers else None,
-                    attention=artifacts.attention if needs.query_heads else None,
-                    request_state=request_state,
-                    kv=(lambda layer: target.kv(state, layer)) if needs.kv_layers else None,
-                    kv_buffers=(lambda layer: target.kv_buffers(state, layer)) if needs.kv_layers else None,
-                    verify_seconds=price,
-                    sampling=sampling,
-                    noise=noise,
+            # the others in the forward, one snapshot a step (it takes the scheduler's lock)
+            load = policy.load(session.load()) if session is not None else ALONE
+            drafting = policy.before_step(load, budget.tree_nodes > 0, stats)
+            price = policy.price(load, out.length) if drafting else None
+            if planner is not None and price is not None:
+                ctx = artifacts.draft_context(
+                    out.context(), budget.tree_nodes, request_state, price, sampling, noise
                 )
-                with rt.lock:
-                    draft = drafter.propose(ctx)
-                    if len(draft) and not _in_vocabulary(draft, target.info.vocab_size):
-                        log.warning(
-                            "%s drafted a token id outside the vocabulary: draft dropped", drafter.name
-                        )
-                        self.dropped_drafts += 1
-                        draft = DraftTree.empty()
-                    if len(draft):
-                        draft = verification_for(draft).plan(
-                            planner, draft, out.length, confidence, budget, load
-                        )
-                if loaded:
-                    pause = 0 if len(draft) else min(2 * pause or 1, 16)
-                    skip = pause
-            # one target forward over the root and the draft, verify, commit
+                draft = self._propose(rt, planner, ctx, policy.confidence, budget, load)
             t1 = time.perf_counter()
-            if drafting:
-                draft_seconds = t1 - t0 if not draft_seconds else 0.9 * draft_seconds + 0.1 * (t1 - t0)
+            if price is not None:
+                policy.after_propose(load, len(draft), t1 - t0)
+            # one target forward over the root and the draft, verify, commit (t2 - t1: the one
+            # place the verify forward is timed)
             step = verification_for(draft).step(target, state, out.root, draft, needs, decide, out.length)
             artifacts.record(step.forward, step.rows)
-            step_confidence = confidence
-            last_row, measured = step.forward.logits[step.rows[-1]], False
             t2 = time.perf_counter()
+            self._check_curve(draft, out.length, t2 - t1)
 
+            # observe
             emitted = out.emit(step.tokens, step.sources, drafter.name)
             if session is not None:
                 session.observe(len(step.tokens))
-            stats.observe_step(len(draft), step.result.num_accepted, len(emitted), t1 - t0, t2 - t1)
+            accepted = step.result.num_accepted
+            stats.observe_step(len(draft), accepted, len(emitted), t1 - t0, t2 - t1)
             if len(step.decided):
-                stats.observe_depths(max(step.decided.depths()), step.result.num_accepted)
-            if drafter.gated and planner is not None and price is not None:  # this step drafted
-                # what drafting earned: each accepted token saved a plain step
-                saved = step.result.num_accepted * (plain_step or price(0))
-                verified = (saved - (price(len(draft)) - price(0))) / price(0)
-                with rt.lock:
-                    planner.gate.observe(step_confidence, verified, (t1 - t0) / price(0), gap)
-            elif drafter.gated and not len(draft):  # a plain step: what one costs this request, all told
-                seconds = time.perf_counter() - t0
-                plain_step = seconds if plain_step is None else 0.9 * plain_step + 0.1 * seconds
-            gap = not drafting
+                stats.observe_depths(max(step.decided.depths()), accepted)
+            root_logits = step.forward.logits[step.rows[-1]]
+            policy.after_step(price, len(draft), accepted, t1 - t0, t0, root_logits)
             if len(draft) and planner is not None:
                 with rt.lock:
-                    planner.observe(step.decided, step.result, step_confidence)
+                    planner.observe(step.decided, step.result, policy.confidence)
                     drafter.observe(step.decided, step.result)
             yield StepOutput(emitted)
 

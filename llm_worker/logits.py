@@ -2,7 +2,7 @@
 
 On the CPU they run in numpy, on one thread. torch splits a reduction over 49 k logits between
 its OpenMP threads, whose workers then spin for a while after it; the fused kernels' own pool
-(``llm_worker/model/csrc/fused.cpp``) wants those cores for the next forward, and each decode
+(``llm_worker/model/csrc/``) wants those cores for the next forward, and each decode
 step lost about a third of its speed to that contention on a 2-core machine. The results are
 torch's: the first index of the largest value, and 1 / Σ exp(l − max).
 """

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from llm_worker.batching import BatchRecord
+from llm_worker.config import DEFAULT_MODE
 from llm_worker.drafters import DRAFTERS, parse_mode
 from llm_worker.stats import GenerationStats
 
@@ -23,7 +24,7 @@ RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 def mode_label(mode: str) -> str:
     """The registered mode name; anything else is "unknown" (labels must not take user strings)."""
     try:
-        name = parse_mode(mode)[0] or "ar"
+        name = parse_mode(mode)[0] or DEFAULT_MODE
     except ValueError:
         return "unknown"
     return name if name in DRAFTERS.names() else "unknown"

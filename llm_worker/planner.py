@@ -3,7 +3,9 @@
 Two measured inputs:
 
 - the verify cost curve t(n, L): seconds for one target forward of n new tokens after L cached
-  ones, measured on this machine at start-up (and cached per model, dtype, device, threads);
+  ones, measured on this machine at start-up (and cached per model, dtype, device, threads, when
+  measured quietly) and checked against the forwards the engine times (``llm_worker.costs``,
+  re-exported here);
 - the acceptance model: P(node accepted | its parent accepted), learned online per drafter
   from verification outcomes, keyed by the drafter's feature for the node, the node's depth and
   the target's confidence in the root token.
@@ -20,144 +22,20 @@ by the positions its forward computes, t(D·(1 + L)) (``plan_batch``).
 from __future__ import annotations
 
 import bisect
-import json
-import logging
 import math
-import random
-import statistics
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-
-from llm_worker.config import CostConfig, PlannerConfig
-from llm_worker.model.target import TargetModel
-from llm_worker.types import ArtifactNeeds, DraftBatch, DraftTree, Outcome, VerifyResult
-from specdraft.common import atomic_write_text, cache_root
-
-log = logging.getLogger(__name__)
+from llm_worker.config import PlannerConfig
+from llm_worker.costs import CURVE_FORMAT as CURVE_FORMAT
+from llm_worker.costs import CostCurve as CostCurve
+from llm_worker.costs import CurveCheck as CurveCheck
+from llm_worker.costs import cost_cache_path as cost_cache_path
+from llm_worker.costs import load_or_measure_curve as load_or_measure_curve
+from llm_worker.costs import measure_cost_curve as measure_cost_curve
+from llm_worker.types import DraftBatch, DraftTree, Outcome, VerifyResult
 
 DEPTH_BOUNDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 CONFIDENCE_BOUNDS = (0.3, 0.6, 0.9, 0.99)
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    """t(n, L): measured seconds per target forward of n new tokens after L cached tokens."""
-
-    sizes: tuple[int, ...]  # [S] ascending
-    contexts: tuple[int, ...]  # [C] ascending
-    seconds: tuple[tuple[float, ...], ...]  # [C][S]
-
-    def _at_context(self, row: tuple[float, ...], n: int) -> float:
-        sizes = self.sizes
-        if n <= sizes[0] or len(sizes) == 1:
-            return row[0]
-        i = bisect.bisect_left(sizes, n)
-        if i >= len(sizes):  # beyond the largest measured size: extend the last slope
-            i = len(sizes) - 1
-        lo, hi = sizes[i - 1], sizes[i]
-        return row[i - 1] + (row[i] - row[i - 1]) * (n - lo) / (hi - lo)
-
-    def t(self, n: int, context: int) -> float:
-        if len(self.contexts) == 1:
-            return self._at_context(self.seconds[0], n)
-        c = self.contexts
-        i = min(max(bisect.bisect_left(c, context), 1), len(c) - 1)
-        a = self._at_context(self.seconds[i - 1], n)
-        b = self._at_context(self.seconds[i], n)
-        value = a + (b - a) * (context - c[i - 1]) / (c[i] - c[i - 1])
-        return max(value, 1e-6)
-
-    def relative(self, n: int, context: int) -> float:
-        """t(n) / t(1) at this context."""
-        return self.t(n, context) / self.t(1, context)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "sizes": list(self.sizes),
-            "contexts": list(self.contexts),
-            "seconds": [list(r) for r in self.seconds],
-        }
-
-    @staticmethod
-    def from_json(data: dict[str, list]) -> CostCurve:
-        return CostCurve(
-            tuple(int(s) for s in data["sizes"]),
-            tuple(int(c) for c in data["contexts"]),
-            tuple(tuple(float(v) for v in row) for row in data["seconds"]),
-        )
-
-    @staticmethod
-    def linear(base: float, per_token: float, sizes: tuple[int, ...] = (1, 65)) -> CostCurve:
-        """A synthetic curve t(n) = base + per_token * (n - 1), context-independent (for tests)."""
-        return CostCurve(sizes, (0,), (tuple(base + per_token * (s - 1) for s in sizes),))
-
-
-def measure_cost_curve(target: TargetModel, cfg: CostConfig, max_size: int) -> CostCurve:
-    """Time forwards of each size at each context length; medians of ``cfg.repeats``.
-
-    Sizes are visited in a shuffled order on every repeat so that machine noise spreads over
-    all of them instead of biasing one.
-    """
-    max_size = max(1, min(max_size, target.info.max_context // 2))
-    sizes = tuple(sorted({s for s in cfg.sizes if s <= max_size} | {1, max_size}))
-    limit = max(1, target.info.max_context - max(sizes) - 1)
-    contexts = tuple(sorted({max(1, min(c, limit)) for c in cfg.contexts}))
-    vocab = target.info.vocab_size
-    rng = random.Random(0)
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    with torch.inference_mode():
-        for context in contexts:
-            state = target.start()
-            prompt = torch.randint(0, vocab, (context,), generator=gen)
-            target.forward(state, prompt, None, ArtifactNeeds())
-            target.commit(state, range(context))
-            samples: dict[int, list[float]] = {s: [] for s in sizes}
-            order = list(sizes)
-            for _ in range(cfg.repeats + 1):  # the first round warms up
-                rng.shuffle(order)
-                for n in order:
-                    tokens = torch.randint(0, vocab, (n,), generator=gen)
-                    begin = time.perf_counter()
-                    target.forward(state, tokens, None, ArtifactNeeds())
-                    samples[n].append(time.perf_counter() - begin)
-                    target.commit(state, [])
-            rows.append(tuple(statistics.median(samples[n][1:]) for n in sizes))
-    return CostCurve(sizes, contexts, tuple(rows))
-
-
-CURVE_FORMAT = 2
-"""Part of a cached curve's name: raised when the forward's cost changes without its kernels'
-build changing (2: small torch operations no longer wake OpenMP workers inside the forward)."""
-
-
-def cost_cache_path(target: TargetModel) -> Path:
-    i = target.info
-    threads = torch.get_num_threads()
-    backend = i.backend + target.kernel_variant
-    key = (
-        f"{i.fingerprint}-{backend}-{i.dtype}-{i.device}-t{threads}-torch{torch.__version__}-v{CURVE_FORMAT}"
-    )
-    return cache_root() / "cost" / (key.replace("/", "_").replace(":", "_") + ".json")
-
-
-def load_or_measure_curve(target: TargetModel, cfg: CostConfig, max_size: int) -> CostCurve:
-    path = cost_cache_path(target)
-    if cfg.cache and path.is_file():
-        try:
-            curve = CostCurve.from_json(json.loads(path.read_text()))
-            if curve.sizes[-1] >= max_size:
-                return curve
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring unreadable cost curve %s: %s", path, exc)
-    log.info("measuring the verify cost curve (once per model, dtype, device and thread count)")
-    curve = measure_cost_curve(target, cfg, max_size)
-    if cfg.cache:
-        atomic_write_text(path, json.dumps(curve.to_json()))
-    return curve
 
 
 def depth_bucket(depth: int) -> int:

@@ -33,7 +33,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from llm_worker import __version__
-from llm_worker.config import SamplingParams
+from llm_worker.config import DEFAULT_MODE, SamplingParams
 from llm_worker.engine import StepOutput
 from llm_worker.metrics import WorkerMetrics
 from llm_worker.registry import Registry, WorkerRecord
@@ -91,7 +91,7 @@ def to_work_request(msg: generation_pb2.GenerateRequest) -> WorkRequest:
         text=msg.text if kind == "text" else None,
         token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None,
         chat=tuple((m.role, m.content) for m in msg.chat.messages) if kind == "chat" else None,
-        mode=msg.mode or "ar",
+        mode=msg.mode or DEFAULT_MODE,
         max_new_tokens=msg.max_new_tokens,
         sampling=sampling,
         draft_budget=msg.draft_budget,
@@ -132,7 +132,7 @@ class _Call:
     """One RPC as the metrics see it."""
 
     def __init__(self, request: generation_pb2.GenerateRequest, method: str) -> None:
-        self.mode = request.mode or "ar"
+        self.mode = request.mode or DEFAULT_MODE
         self.method = method
         self.status = "OK"
         self.began = time.perf_counter()
@@ -285,7 +285,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(
         self, request: generation_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
-        i = self.worker.engine.target.info
+        i = self.worker.model_info
         return generation_pb2.ModelInfo(
             name=i.name,
             fingerprint=i.fingerprint,
@@ -397,7 +397,7 @@ class WorkerServer:
         return self.port
 
     def record(self) -> WorkerRecord:
-        info = self.worker.engine.target.info
+        info = self.worker.model_info
         return WorkerRecord(
             worker_id=self.worker.worker_id,
             address=self.cfg.advertise or f"{self.cfg.host}:{self.port}",

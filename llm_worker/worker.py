@@ -9,13 +9,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from llm_worker.chat import chat_prompt_ids, prompt_ids
-from llm_worker.config import SamplingParams
+from llm_worker.config import DEFAULT_MODE, SamplingParams
 from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
 from llm_worker.engine import Engine, GenerationRequest, InvalidRequestError, StepOutput
+from llm_worker.model.target import TargetInfo
 from llm_worker.results import GenerationResult
+from specdraft.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -31,7 +32,7 @@ class WorkRequest:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     chat: tuple[tuple[str, str], ...] | None = None  # (role, content)
-    mode: str = "ar"
+    mode: str = DEFAULT_MODE
     max_new_tokens: int = 0  # 0 = the worker's default
     sampling: SamplingParams = field(default_factory=SamplingParams)
     draft_budget: int = 0  # 0 = the engine's choice
@@ -52,7 +53,11 @@ class Worker:
     """One model, one engine, and the rules for turning requests into engine calls."""
 
     def __init__(
-        self, engine: Engine, tokenizer: Any, worker_id: str | None = None, default_max_new_tokens: int = 256
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        worker_id: str | None = None,
+        default_max_new_tokens: int = 256,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -85,9 +90,10 @@ class Worker:
             raise BadRequest(str(exc)) from None
 
     def to_engine(self, req: WorkRequest) -> GenerationRequest:
-        """Validate and convert; raises BadRequest with a precise message."""
+        """Validate and convert; raises BadRequest with a precise message. The request it
+        returns (or one ``dataclasses.replace`` gave a ``cancel`` event) goes to ``stream``."""
         ids = self.encode(req)
-        mode = "ar" if req.speculation_off or not req.mode else req.mode
+        mode = DEFAULT_MODE if req.speculation_off or not req.mode else req.mode
         if req.draft_budget < 0 or req.max_new_tokens < 0:
             raise BadRequest("draft_budget and max_new_tokens must be >= 0")
         gen = GenerationRequest(
@@ -106,7 +112,8 @@ class Worker:
         return gen
 
     def stream(self, gen: GenerationRequest) -> Iterator[StepOutput | GenerationResult]:
-        return self.engine.stream(gen)
+        """The engine's steps of ``gen``, a request ``to_engine`` validated (not checked again)."""
+        return self.engine.stream(gen, validated=True)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -114,6 +121,11 @@ class Worker:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     # -- descriptions -----------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> TargetInfo:
+        """The model this worker serves: name, fingerprint, vocabulary, context, dtype, device."""
+        return self.engine.target.info
 
     def modes(self) -> list[ModeDescription]:
         out = []

@@ -1,11 +1,14 @@
-"""Utilities every layer shares: atomic writes, the cache directory, file digests, percentiles."""
+"""Utilities every layer shares: atomic writes, the cache directory, file digests, percentiles,
+whether other processes loaded the cores during a measurement, and progress lines of long steps."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -88,3 +91,166 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whether other processes used the cores while something was measured.
+
+FOREIGN_LOAD_LIMIT = 0.10
+"""Cores' worth of CPU that other processes may take, on average over a measurement, beyond the
+cores this process leaves free, before the measurement counts as taken under load
+(``foreign_cores``): a tenth of one core. A quiet Linux desktop's daemons use about a hundredth;
+one busy process on a core the measurement uses counts as about 1 (on a 2-core EPYC a start-up
+that shared its cores so measured t(1) = 105 ms against a quiet 11 ms)."""
+
+
+def foreign_cores(busy: float, own: float, wall: float, cpus: int, threads: int, tick: float) -> float:
+    """Cores' worth of CPU other processes took from this process during a window, on average:
+    the CPU seconds every process spent on the ``cpus`` cores it may run on (``busy``, counted by
+    the kernel in ticks of ``tick`` seconds, so up to one tick per core is allowed for rounding),
+    less its own (``own``), over ``wall`` seconds, less the cores its ``threads`` leave free
+    (another process running there slows nothing). Never negative.
+
+    Example: 2 cores, 2 threads, 1 s: busy 2.0 s, own 1.0 s → 1 - 0.02 (ticks) = 0.98 cores
+    (another process had a core); on 16 cores with 8 threads, the same 0.98 is on spare cores → 0.
+    """
+    if wall <= 0:
+        return 0.0
+    others = max(0.0, busy - own - cpus * tick) / wall
+    return max(0.0, others - max(0, cpus - threads))
+
+
+def _cpu_times() -> tuple[float, float, int, float] | None:
+    """(busy CPU seconds of every process on this process's cores since boot, this process's own
+    CPU seconds, how many cores, seconds a tick); None where ``/proc/stat`` cannot be read."""
+    import resource
+
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu")]
+        allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    except (OSError, AttributeError):
+        return None
+    rows = [r for r in lines if r[0] in allowed] or [r for r in lines if r[0] == "cpu"]
+    if not rows:
+        return None
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal (guest time is inside user): all but idle and iowait
+    busy = sum(int(r[i]) for r in rows for i in (1, 2, 3, 6, 7, 8) if i < len(r)) * tick
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpus = len(rows) if rows[0][0] != "cpu" else os.cpu_count() or 1
+    return busy, usage.ru_utime + usage.ru_stime, cpus, tick
+
+
+class LoadWatch:
+    """Whether other processes used this process's cores during a block (Linux; elsewhere never).
+
+    ``with LoadWatch(threads) as watch: measure()`` then ``watch.busy``: more than
+    ``FOREIGN_LOAD_LIMIT`` cores' worth of ``foreign_cores`` on average. A measurement taken so
+    serves the run that took it, but is not cached for later ones. Only other processes count:
+    this process's other threads (a worker's other requests) are its own CPU time, and a window
+    of a few ticks (well under a second) can tell too little to flag anything.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.foreign = 0.0
+        self.seconds = 0.0
+        self._start: tuple[float, tuple[float, float, int, float] | None] = (0.0, None)
+
+    def __enter__(self) -> LoadWatch:
+        self._start = (time.monotonic(), _cpu_times())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        began, before = self._start
+        after = _cpu_times()
+        self.seconds = time.monotonic() - began
+        if before is not None and after is not None:
+            busy, own = after[0] - before[0], after[1] - before[1]
+            self.foreign = foreign_cores(busy, own, self.seconds, after[2], self.threads, after[3])
+
+    @property
+    def busy(self) -> bool:
+        return self.foreign > FOREIGN_LOAD_LIMIT
+
+    def describe(self) -> str:
+        return (
+            f"other processes used {self.foreign:.2f} cores' worth of this process's CPUs "
+            f"over {self.seconds:.0f} s"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress of long first-run steps (model conversion, kernel choice, the cost curve).
+
+PROGRESS = logging.getLogger("specdraft.progress")
+"""Where ``Progress`` writes: INFO, shown even where the CLI logs only warnings (a logger's own
+level decides; the CLI's stderr handler has none). Silence it with ``PROGRESS.setLevel``."""
+PROGRESS.setLevel(logging.INFO)
+
+
+def _duration(seconds: float) -> str:
+    return f"{round(seconds)} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+class Progress:
+    """The lines of a long step on ``PROGRESS``: "<what> (once; about 40 s)…" when it starts
+    (``note``, then the caller's estimate), then at most every ``every`` seconds
+    "<what>: 40% (12 s left)", the time left extrapolated from the time so far and the fraction
+    done (``update``), and a closing line if any progress line was written. ``ticking()`` writes
+    the progress of one call that reports none, taking the estimate as the whole.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        estimate: float | None = None,
+        note: str = "once",
+        every: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.what, self.estimate, self.every, self.clock = what, estimate, every, clock
+        self.began = clock()
+        self._next = self.began + every
+        self.lines = 0
+        about = [note] if note else []
+        about += [f"about {_duration(max(1.0, estimate))}"] if estimate is not None else []
+        PROGRESS.info("%s%s…", what, f" ({'; '.join(about)})" if about else "")
+
+    def update(self, fraction: float) -> None:
+        """``fraction`` (0 to 1) of the work is done."""
+        now = self.clock()
+        if now < self._next or fraction <= 0:
+            return
+        self._next = now + self.every
+        elapsed = now - self.began
+        left = elapsed * (1 - min(fraction, 1.0)) / fraction
+        self.lines += 1
+        PROGRESS.info("%s: %.0f%% (%s left)", self.what, 100 * min(fraction, 1.0), _duration(left))
+
+    def done(self) -> None:
+        if self.lines:
+            PROGRESS.info("%s: done in %s", self.what, _duration(self.clock() - self.began))
+
+    @contextmanager
+    def ticking(self) -> Iterator[None]:
+        """Updates from a thread while the block runs, as the elapsed share of the estimate
+        (at most 99 %), then ``done``."""
+        import threading
+
+        stop = threading.Event()
+        estimate = self.estimate or 60.0
+
+        def tick() -> None:
+            while not stop.wait(min(1.0, self.every)):
+                self.update(min(0.99, (self.clock() - self.began) / estimate))
+
+        thread = threading.Thread(target=tick, name="specdraft-progress", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+        self.done()

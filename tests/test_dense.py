@@ -46,6 +46,7 @@ from helpers.models import BACKEND_CASES, BACKEND_IDS, DraftTally, prompts, tiny
 from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution, sample_counts
 from llm_worker.config import ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError
+from llm_worker.encoders import ModelEncoder
 from llm_worker.engine import GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.planner import CostCurve
@@ -214,10 +215,14 @@ def test_batched_windows_compute_the_states_of_one_pass(tiny, tmp_path: Path) ->
     doc = np.arange(60, dtype=np.int64) % (VOCAB - 1)
     with torch.inference_mode():
         ref = model.base_model(input_ids=torch.from_numpy(doc)[None]).last_hidden_state[0].numpy()
-    whole = HiddenStates(model, "fp", DenseBuildConfig(window=80, overlap=8, batch=2, cache_dir=tmp_path))
+    whole = HiddenStates(
+        ModelEncoder(model), "fp", DenseBuildConfig(window=80, overlap=8, batch=2, cache_dir=tmp_path)
+    )
     got = whole.compute([doc, doc[:10]])
     assert np.allclose(got[:60], ref, atol=2e-2) and np.allclose(got[60:], ref[:10], atol=2e-2)
-    cut = HiddenStates(model, "fp", DenseBuildConfig(window=32, overlap=8, batch=3, cache_dir=tmp_path))
+    cut = HiddenStates(
+        ModelEncoder(model), "fp", DenseBuildConfig(window=32, overlap=8, batch=3, cache_dir=tmp_path)
+    )
     windows = cut.compute([doc]).astype(np.float32)
     assert np.allclose(windows[:24], ref[:24], atol=2e-2)  # the first window saw the same context
     with torch.inference_mode():  # the second: tokens 24..47 after 8 tokens of context (16..23)
@@ -243,7 +248,9 @@ def test_dense_version_builds_reuses_cached_states_and_rebuilds_other_dims(tiny,
         dims=8, index="hnsw", window=32, overlap=8, chunk_tokens=120, cache_dir=tmp_path / "hidden"
     )
     derive_version(
-        tmp_path / "v1", tmp_path / "v2", dense_step(model, "tiny", target.info.weights_id, cfg, False)
+        tmp_path / "v1",
+        tmp_path / "v2",
+        dense_step(ModelEncoder(model), "tiny", target.info.weights_id, cfg, False),
     )
     v2 = DatastoreVersion(tmp_path / "v2")
     assert v2.manifest["dense"]["chunks"]["computed"] == 0 and v2.manifest["dense"]["dims"] == 8
@@ -363,7 +370,9 @@ def test_eval_finds_the_keys_of_seen_text(tiny, tmp_path: Path) -> None:
     docs = own_continuations(target, 3)
     version = dense_version(model, target, tmp_path / "v", docs, shards=2)
     states = HiddenStates(
-        model, target.info.weights_id, DenseBuildConfig(window=32, overlap=8, cache_dir=tmp_path / "hidden")
+        ModelEncoder(model),
+        target.info.weights_id,
+        DenseBuildConfig(window=32, overlap=8, cache_dir=tmp_path / "hidden"),
     )
     hidden = [states.chunk([np.asarray(d, dtype=np.int64)])[0] for d in docs]
     report = evaluate(version, hidden, docs, ks=(1, 8), n=2, count=200)

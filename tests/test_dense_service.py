@@ -374,12 +374,15 @@ def test_a_swap_to_a_dense_version_of_other_dimensions(setup, tmp_path: Path) ->
     from datastore_svc.dense_build import DenseBuildConfig, dense_step
     from datastore_svc.fanout import swap_all
     from datastore_svc.store import derive_version
+    from llm_worker.encoders import ModelEncoder
 
     model, target, _, root, refs = setup
     cfg = DenseBuildConfig(dims=8, window=32, overlap=8, chunk_tokens=120, cache_dir=root / "hidden")
     if not (root / "v-d8").exists():
         derive_version(
-            root / "v", root / "v-d8", dense_step(model, "tiny", target.info.weights_id, cfg, False)
+            root / "v",
+            root / "v-d8",
+            dense_step(ModelEncoder(model), "tiny", target.info.weights_id, cfg, False),
         )
     servers = [ShardThread(ShardState.open(root / "v", i)) for i in range(2)]
     try:
@@ -408,13 +411,16 @@ def test_a_dense_index_of_other_dimensions_than_its_statistics_is_refused(setup,
 
     from datastore_svc.dense_build import DenseBuildConfig, dense_step
     from datastore_svc.store import DatastoreError, derive_version
+    from llm_worker.encoders import ModelEncoder
     from specdraft.common import sha256_file
 
     model, target, _, root, _ = setup
     cfg = DenseBuildConfig(dims=8, window=32, overlap=8, chunk_tokens=120, cache_dir=root / "hidden")
     if not (root / "v-d8").exists():
         derive_version(
-            root / "v", root / "v-d8", dense_step(model, "tiny", target.info.weights_id, cfg, False)
+            root / "v",
+            root / "v-d8",
+            dense_step(ModelEncoder(model), "tiny", target.info.weights_id, cfg, False),
         )
     bad = root / "v-mismatch"
     if not bad.exists():

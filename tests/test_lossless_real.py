@@ -144,6 +144,7 @@ def rest_engine(real_model, real_engine, prompt_ids, tmp_path_factory):
     from datastore_svc.dense_build import DenseBuildConfig, dense_step
     from datastore_svc.store import DatastoreVersion, LocalRetriever, build
     from llm_worker.drafters import DraftResources
+    from llm_worker.encoders import ModelEncoder
     from llm_worker.engine import Engine
 
     _, tokenizer = real_model
@@ -157,7 +158,8 @@ def rest_engine(real_model, real_engine, prompt_ids, tmp_path_factory):
     (root / "corpus.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     model, info = real_engine.target.model, real_engine.target.info
     cfg = DenseBuildConfig(dims=64, window=256, overlap=32, cache_dir=root / "hidden")
-    dense = dense_step(model, info.name, info.weights_id, cfg, progress=False)  # dresd from the same version
+    encoder = ModelEncoder(model)  # dresd from the same version
+    dense = dense_step(encoder, info.name, info.weights_id, cfg, progress=False)
     build(root / "corpus.jsonl", tokenizer, root / "v1", shards=2, progress=False, extend=dense)
     retriever = LocalRetriever(DatastoreVersion(root / "v1"))
     return Engine(real_engine.target, real_engine.config, real_engine.cost_curve, DraftResources(retriever))

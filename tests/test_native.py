@@ -1,4 +1,4 @@
-"""The fused CPU kernels (llm_worker/model/native.py, csrc/fused.cpp) against plain torch
+"""The fused CPU kernels (llm_worker/model/native.py, csrc/) against plain torch
 references, and the row invariance they promise: a row's result alone equals it inside 2, 4, 9,
 17, 33 and 65 rows, at the first, middle and last place, in float32 and bfloat16."""
 

@@ -31,8 +31,10 @@ from typing import Any
 import numpy as np
 
 from client.bench.timing import latency_ms
+from datastore_svc.protocols import SparseRetriever
 from datastore_svc.retrieval import RetrievalConfig
 from specdraft.common import atomic_path, atomic_write_text
+from specdraft.tokenizer import Tokenizer
 
 DOC_ROOT = Path("/usr/share/doc")
 TEXT_SUFFIXES = ("", ".txt", ".md", ".rst", ".gz")
@@ -109,7 +111,7 @@ def code_questions(out: str | Path, count: int) -> int:
     return len(chosen)
 
 
-def query_contexts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list[np.ndarray]:
+def query_contexts(tokenizer: Tokenizer, count: int, length: int, seed: int = 0) -> list[np.ndarray]:
     """``count`` contexts of ``length`` tokens at random places of the built-in suite's prompts."""
     from client.bench.suite import builtin_suite
 
@@ -125,7 +127,9 @@ def query_contexts(tokenizer: Any, count: int, length: int, seed: int = 0) -> li
     return out
 
 
-def retrieval_latency(retriever: Any, contexts: list[np.ndarray], cfg: RetrievalConfig) -> dict[str, float]:
+def retrieval_latency(
+    retriever: SparseRetriever, contexts: list[np.ndarray], cfg: RetrievalConfig
+) -> dict[str, float]:
     """Milliseconds per ``retrieve`` call (p50, p99, mean) and the share of calls with candidates."""
     times, matched = [], 0
     for ctx in contexts:
@@ -374,7 +378,7 @@ def specdraft_proposer(retriever: Any, cfg: RetrievalConfig, fuse_separator: int
 
 
 def greedy_references(
-    engine: Any, tokenizer: Any, questions: Sequence[Any], max_new_tokens: int
+    engine: Any, tokenizer: Tokenizer, questions: Sequence[Any], max_new_tokens: int
 ) -> list[tuple[str, int, ReferenceRun]]:
     """(question id, turn, run) per turn: ``ar``'s answers, prompted exactly as ``specdraft bench`` does."""
     from client.bench.runner import run_turns

@@ -17,6 +17,7 @@ from datastore_svc.reports import DENSE_FILES, file_bytes
 from datastore_svc.store import DatastoreError, DatastoreVersion, LocalRetriever, tokenizer_identity
 from llm_worker.assembly import load_engine, load_model
 from llm_worker.config import ModelConfig
+from specdraft.tokenizer import Tokenizer
 
 
 class DatastoreBenchError(ValueError):
@@ -38,7 +39,9 @@ class DatastoreBenchConfig:
     dense: bool = False
 
 
-def run_datastore_bench(cfg: DatastoreBenchConfig, model: ModelConfig, tokenizer: Any) -> dict[str, Any]:
+def run_datastore_bench(
+    cfg: DatastoreBenchConfig, model: ModelConfig, tokenizer: Tokenizer
+) -> dict[str, Any]:
     from llm_worker.drafters.rest import retrieval_config
 
     try:
@@ -123,7 +126,7 @@ def _dense_setup(version: DatastoreVersion, model: ModelConfig, count: int) -> t
     return version.dense_stats, queries, dense_config({}, 3, 10)
 
 
-def tau_references(cfg: DatastoreBenchConfig, model: ModelConfig, tokenizer: Any) -> list[Any]:
+def tau_references(cfg: DatastoreBenchConfig, model: ModelConfig, tokenizer: Tokenizer) -> list[Any]:
     """The target's greedy answers to ``cfg.questions``: from ``cfg.references`` if it exists,
     else generated (mode ``ar``) and saved there."""
     from client.bench.suite import load_questions

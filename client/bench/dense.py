@@ -9,15 +9,21 @@ the projection plus the search (in process) or the call through shard servers (g
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from client.bench.timing import latency_ms
 from datastore_svc.dense import DenseConfig, DenseStats
+from datastore_svc.protocols import DenseRetriever
+from specdraft.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from datastore_svc.store import DatastoreVersion
+    from llm_worker.model.target import TargetModel
 
 
-def other_model_reason(version: Any, target: Any) -> str | None:
+def other_model_reason(version: DatastoreVersion, target: TargetModel) -> str | None:
     """Why ``version``'s dense keys cannot serve ``target`` (another model's hidden states), or
     None when they can."""
     if version.dense_model and version.dense_model != target.info.weights_id:
@@ -25,7 +31,9 @@ def other_model_reason(version: Any, target: Any) -> str | None:
     return None
 
 
-def dense_queries(model: Any, tokenizer: Any, count: int, seed: int = 0) -> list[tuple[np.ndarray, int]]:
+def dense_queries(
+    model: Any, tokenizer: Tokenizer, count: int, seed: int = 0
+) -> list[tuple[np.ndarray, int]]:
     """``count`` (hidden state, next token) pairs at random positions of the built-in suite's prompts."""
     import torch
 
@@ -48,7 +56,7 @@ def dense_queries(model: Any, tokenizer: Any, count: int, seed: int = 0) -> list
 
 
 def dense_latency(
-    retriever: Any, stats: DenseStats, queries: list[tuple[np.ndarray, int]], cfg: DenseConfig
+    retriever: DenseRetriever, stats: DenseStats, queries: list[tuple[np.ndarray, int]], cfg: DenseConfig
 ) -> dict[str, float]:
     """Milliseconds per projection + ``retrieve_dense`` (p50, p99, mean), and the share with drafts."""
     times, drafted = [], 0

@@ -19,11 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from datastore_svc.dense import exact_search, recall_at
+from specdraft.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llm_worker.model.target import TargetModel
 
 
 def reciprocal_ranks(relevant: np.ndarray) -> np.ndarray:
@@ -129,8 +133,8 @@ def evaluate(
 
 
 def evaluate_versions(
-    target: Any,
-    tokenizer: Any,
+    target: TargetModel,
+    tokenizer: Tokenizer,
     versions: Sequence[str],
     corpus: str,
     ks: Sequence[int],
@@ -146,10 +150,11 @@ def evaluate_versions(
     from datastore_svc.corpus import read_documents
     from datastore_svc.dense_build import DenseBuildConfig, HiddenStates, default_overlap
     from datastore_svc.store import DatastoreVersion, tokenize_documents, tokenizer_identity
+    from llm_worker.encoders import ModelEncoder
 
     fingerprint = tokenizer_identity(tokenizer)["fingerprint"]
     cfg = DenseBuildConfig(window=window, overlap=default_overlap(window), cache_dir=hidden_cache)
-    states = HiddenStates(target.model, target.info.weights_id, cfg)
+    states = HiddenStates(ModelEncoder(target.model), target.info.weights_id, cfg)
     docs = tokenize_documents(read_documents(corpus, tokenizer), tokenizer)
     if not docs:
         raise ValueError(f"{corpus}: no documents")

@@ -31,6 +31,7 @@ from client.bench.runners import Runner, RunOutcome, make_runners
 from client.bench.suite import Question
 from llm_worker.chat import chat_prompt_ids
 from llm_worker.engine import Engine
+from specdraft.tokenizer import Tokenizer
 
 
 @dataclass
@@ -228,7 +229,7 @@ def _limits(result: BenchResult, engines: Mapping[str, Engine]) -> None:
 
 def run_bench(
     engine: Engine,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     questions: Sequence[Question],
     modes: Sequence[str],
     max_new_tokens: int,
@@ -303,7 +304,7 @@ def run_bench(
     return result
 
 
-def run_turns(runner: Runner, tokenizer: Any, question: Question, max_new: int) -> list[RunOutcome]:
+def run_turns(runner: Runner, tokenizer: Tokenizer, question: Question, max_new: int) -> list[RunOutcome]:
     messages: list[dict[str, str]] = []
     outcomes = []
     for turn in question.turns:
@@ -316,7 +317,7 @@ def run_turns(runner: Runner, tokenizer: Any, question: Question, max_new: int) 
     return outcomes
 
 
-def _warm_up(runners: dict[str, Runner], tokenizer: Any) -> None:
+def _warm_up(runners: dict[str, Runner], tokenizer: Tokenizer) -> None:
     prompt = chat_prompt_ids(
         tokenizer, [{"role": "user", "content": "Repeat: one two three, one two three."}]
     )

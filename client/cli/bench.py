@@ -21,6 +21,7 @@ from client.cli.common import (
     print_json,
     worker_model_args,
 )
+from llm_worker.config import DEFAULT_MODE
 from specdraft.common import atomic_write_text
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -57,7 +58,7 @@ def add_bench(sub: Any) -> None:
     bg.add_argument("--server", help="HOST:PORT of a running worker (default: start one)")
     bg.add_argument("--calls", type=positive_int, default=50, help="unary + streaming pairs")
     bg.add_argument("--max-new-tokens", type=positive_int, default=32)
-    bg.add_argument("--mode", default="ar")
+    bg.add_argument("--mode", default=DEFAULT_MODE)
     bg.add_argument(
         "--concurrency",
         default="",

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client.cli.common import (
     CliError,
@@ -21,6 +21,10 @@ from client.cli.common import (
     print_json,
     tokenizer_from_args,
 )
+
+if TYPE_CHECKING:
+    from datastore_svc.store import Extend
+    from specdraft.tokenizer import Tokenizer
 
 
 def add_datastore(sub: Any) -> None:
@@ -126,10 +130,11 @@ def add_datastore(sub: Any) -> None:
     dw.set_defaults(func=cmd_swap)
 
 
-def _dense_step(args: argparse.Namespace) -> tuple[Any, Any, Path]:
+def _dense_step(args: argparse.Namespace) -> tuple[Extend, Tokenizer, Path]:
     """(the build step adding the dense index, the model's tokenizer, the model directory)."""
     from datastore_svc.dense import IndexParams
     from datastore_svc.dense_build import DenseBuildConfig, default_overlap, dense_step
+    from llm_worker.encoders import ModelEncoder
     from llm_worker.model.loading import resolve_model_dir
 
     target, tokenizer = model_from_args(args, "hf")
@@ -148,7 +153,8 @@ def _dense_step(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     info = target.info
-    return dense_step(target.model, info.name, info.weights_id, cfg, not args.quiet), tokenizer, model_dir
+    encoder = ModelEncoder(target.model)
+    return dense_step(encoder, info.name, info.weights_id, cfg, not args.quiet), tokenizer, model_dir
 
 
 def cmd_build(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from client.cli.common import (
     client_security,
     engine_from_args,
 )
+from llm_worker.config import DEFAULT_MODE
 
 
 def add_generate(sub: Any) -> None:
@@ -24,7 +25,9 @@ def add_generate(sub: Any) -> None:
     add_model_args(g)
     add_datastore_args(g)
     g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
-    g.add_argument("--mode", default="ar", help="drafting mode, e.g. ar, pld, pld+h, pld+a, pld+h:layer=12")
+    g.add_argument(
+        "--mode", default=DEFAULT_MODE, help="drafting mode, e.g. ar, pld, pld+h, pld+a, pld+h:layer=12"
+    )
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -142,6 +142,12 @@ class DraftResources:
     None = the one shipped or calibrated for the model)."""
 
 
+class DrafterState:
+    """What a drafter keeps for one request (``RequestState.drafter``): a drafter subclasses it
+    with its own fields and finds its instance there again on the request's next step (e.g. a
+    learned drafter's own KV cache, ``glide._State``)."""
+
+
 @dataclass
 class RequestState:
     """What lives as long as one request (drafters are shared by requests)."""
@@ -149,8 +155,8 @@ class RequestState:
     datastore_version: str = ""
     """The datastore version the request is pinned to: the one that answered its first
     retrieval ("" until then). Later retrievals ask for it, so a swap never mixes versions."""
-    drafter: Any = None
-    """What the mode's drafter keeps for this request (e.g. a learned drafter's own KV cache)."""
+    drafter: DrafterState | None = None
+    """What the mode's drafter keeps for this request (None until its first step)."""
 
 
 DrafterFactory = Callable[["TargetModel", dict[str, str], DraftResources], Drafter]

@@ -40,6 +40,7 @@ from llm_worker.drafters.base import (
     DRAFTERS,
     DraftContext,
     Drafter,
+    DrafterState,
     DraftResources,
     ModeUnavailableError,
     UnknownModeError,
@@ -48,7 +49,7 @@ from llm_worker.drafters.base import (
     int_option,
 )
 from llm_worker.drafters.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
-from llm_worker.drafters.glide_fused import DraftKV, FusedGlide
+from llm_worker.drafters.glide_fused import DraftKV, FusedGlide, fused_ops
 from llm_worker.drafters.glide_net import GlideConfig, GlideNet, cross_allowed, rope_tables
 from llm_worker.model.target import TargetModel
 from llm_worker.sampling import warp_logits
@@ -97,7 +98,7 @@ def parse_cape(raw: str | None, default: tuple[int, ...] = DEFAULT_CAPE) -> tupl
 
 
 @dataclass
-class _State:
+class _State(DrafterState):
     """The draft network's KV for committed positions 0 .. len(tokens) - 1 of one request."""
 
     tokens: list[int]
@@ -130,10 +131,10 @@ class GlideDrafter(Drafter):
         self.token_seconds: float | None = None  # one chain token's draft forward, measured (EMA)
         self._to_draft: dict[int, int] | None = None  # target id -> draft id (``depth_ranks``)
         # On the fast backend's fused kernels unless they are off (--no-fused) or do not fit.
-        kernels = getattr(target, "fused", None)
+        ops = fused_ops(target)
         self.fast = None
-        if kernels is not None and FusedGlide.supports(net):
-            self.fast = FusedGlide(net, kernels, self.cos, self.sin)
+        if ops is not None and FusedGlide.supports(net):
+            self.fast = FusedGlide(net, ops, self.cos, self.sin)
 
     def _forward(
         self,

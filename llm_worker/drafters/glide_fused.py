@@ -1,4 +1,5 @@
-"""GLIDE's draft network at inference on the fused CPU kernels (``llm_worker/model/csrc``).
+"""GLIDE's draft network at inference on the fused CPU kernels, through the target's operations
+(``llm_worker.model.ops_cpu.FusedCpuOps``).
 
 Run through torch operations, one draft token cost about as much as a whole target token on the
 2-core reference CPU (c ≈ 1.2, most of it OpenMP start-up and the threads of one library spinning
@@ -24,23 +25,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from llm_worker.drafters.glide_net import GlideLayer, GlideNet, rotate
-from llm_worker.model import quant
-from llm_worker.model.kernels import Kernel, Linear
-from llm_worker.model.target import KVBuffers
+from llm_worker.model.forward import Forward
+from llm_worker.model.kernels import Linear
+from llm_worker.model.ops_cpu import FusedCpuOps
+from llm_worker.model.target import KVBuffers, TargetModel
 from llm_worker.types import causal_mask
 
 _GROW = 256  # the draft's own KV grows in steps of this many positions
 
 
-def _linear(*weights: torch.Tensor) -> Linear:
-    return Linear(
-        quant.round_to_eight_bit(torch.cat([w.detach().float() for w in weights])), None, Kernel("quant", 1)
-    )
+def fused_ops(target: TargetModel) -> FusedCpuOps | None:
+    """The target's operations when they are the fused CPU kernels (else None: the draft network
+    runs in torch)."""
+    ops = target.ops if isinstance(target, Forward) else None
+    return ops if isinstance(ops, FusedCpuOps) else None
 
 
 @dataclass
@@ -69,9 +71,10 @@ class DraftKV:
 class FusedGlide:
     """``GlideNet``'s inference forward on the fused kernels (see the module docstring)."""
 
-    def __init__(self, net: GlideNet, fused: Any, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, net: GlideNet, ops: FusedCpuOps, cos: torch.Tensor, sin: torch.Tensor) -> None:
         cfg = net.cfg
-        self.cfg, self.fused = cfg, fused
+        self.cfg, self.ops = cfg, ops
+        _linear = ops.quantized_linear
         self.cos, self.sin = cos, sin  # [max_context, d] as GlideNet's (transformers' convention)
         half = cfg.head_dim // 2  # the fused RoPE's sine: the rotated half's sign folded in
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=1).contiguous()
@@ -101,7 +104,7 @@ class FusedGlide:
         """Whether every GEMM of ``net`` has whole blocks of 32 inputs."""
         cfg = net.cfg
         widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
-        return all(w % quant.BLOCK == 0 for w in widths) and cfg.head_dim % 8 == 0
+        return all(w % FusedCpuOps.quant_block == 0 for w in widths) and cfg.head_dim % 8 == 0
 
     def new_kv(self) -> DraftKV:
         cfg = self.cfg
@@ -129,7 +132,7 @@ class FusedGlide:
         limits: torch.Tensor | None,  # [n] long: row j sees target positions < limits[j] (≥ 1)
     ) -> torch.Tensor:
         """The last row's draft logits [V]; the rows' own K/V appended to ``kv``."""
-        cfg, fused = self.cfg, self.fused
+        cfg, ops = self.cfg, self.ops
         n, past = x.shape[0], kv.length
         heads, d = cfg.num_heads, cfg.head_dim
         self._reserve(kv, past + n)
@@ -143,29 +146,29 @@ class FusedGlide:
             assert limits is not None
             cross_slot = torch.full((n,), target.slot, dtype=torch.long)
             no_new_rows = torch.zeros(n, 0, dtype=torch.bool)
-        h, a = fused.add_rms_norm(x.contiguous(), None, self.layers[0].ln_self, cfg.rms_eps)
+        h, a = ops.norm(x.contiguous(), None, self.layers[0].ln_self, cfg.rms_eps)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(a)  # [n, (heads + 2 kv) d]
             keys, values = kv.keys[index], kv.values[index]
             q = torch.empty(n, heads, d)
             # rotated queries into q, rotated keys and the values into the draft's own cache
-            fused.rope_store(qkv, cos, sin_signed, q, keys, values, rows, self_slot, cache_positions)
+            ops.rope_rows(qkv, cos, sin_signed, q, keys, values, rows, self_slot, cache_positions)
             out = torch.empty(n, heads * d)
-            fused.attention(q, keys, values, rows, self_slot, self_start, causal, self.scale, out)
+            ops.attend_rows(q, keys, values, rows, self_slot, self_start, causal, self.scale, out)
             if layer.cq is not None and layer.co is not None and layer.ln_cross is not None:
                 assert target is not None and limits is not None
-                h, c = fused.add_rms_norm(h, layer.o(out), layer.ln_cross, cfg.rms_eps)
+                h, c = ops.norm(h, layer.o(out), layer.ln_cross, cfg.rms_eps)
                 cq = rotate(layer.cq(c).view(n, heads, d), cos[:, None], sin[:, None]).contiguous()
                 out = torch.empty(n, heads * d)
-                fused.attention(
+                ops.attend_rows(
                     cq, target.keys, target.values, rows, cross_slot, limits, no_new_rows, self.scale, out
                 )
-                h, m = fused.add_rms_norm(h, layer.co(out), layer.ln_mlp, cfg.rms_eps)
+                h, m = ops.norm(h, layer.co(out), layer.ln_mlp, cfg.rms_eps)
             else:
-                h, m = fused.add_rms_norm(h, layer.o(out), layer.ln_mlp, cfg.rms_eps)
-            down = layer.down(fused.silu_mul(layer.gate_up(m)))
+                h, m = ops.norm(h, layer.o(out), layer.ln_mlp, cfg.rms_eps)
+            down = layer.down(ops.activation(layer.gate_up(m)))
             last = index + 1 == len(self.layers)
             following = self.norm if last else self.layers[index + 1].ln_self
-            h, a = fused.add_rms_norm(h, down, following, cfg.rms_eps)
+            h, a = ops.norm(h, down, following, cfg.rms_eps)
         kv.length = past + n
         return self.head(a[-1:].contiguous())[0]

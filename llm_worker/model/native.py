@@ -1,19 +1,20 @@
-"""The fast forward's fused CPU kernels (``csrc/fused.cpp``), compiled once per machine.
+"""The fast forward's fused CPU kernels (``csrc/``, one source file per operation), compiled once
+per machine.
 
 Between its GEMMs, a decode step of the fast forward used to run some 25 small torch operations
 per layer (RMSNorm, RoPE, the cache writes, attention's batched GEMMs, softmax, SiLU, residuals),
 each a few microseconds of dispatch on a row of a few hundred numbers: on a 2-core Xeon about
 19 ms of a 43 ms step, against 24 ms of GEMMs. The kernels here do that work in four calls per
-layer, each row-invariant by construction (see the C++ file): residual add + RMSNorm, SiLU·up,
-RoPE + the KV cache write, and softmax attention over the visible cached keys (one fixed order
-per query row: no chunk grid, no padding).
+layer, each row-invariant by construction (see ``csrc/kernels.h``): residual add + RMSNorm,
+SiLU·up, RoPE + the KV cache write, and softmax attention over the visible cached keys (one fixed
+order per query row: no chunk grid, no padding).
 
 They need an x86-64 processor with AVX2 and FMA, and a C++ compiler the first time
 (``torch.utils.cpp_extension`` with ninja): the build (about 30 s) lands in
-``$SPECDRAFT_NATIVE_DIR`` (default ``cache_root()/native``) under a name made of the source's
-digest, the flags and the torch version, so a stale build is never loaded; processes starting
-together take turns. A directory built in advance (``main``, as ``make setup`` and the container
-images do) is loaded without a compiler and without writing. Where the processor
+``$SPECDRAFT_NATIVE_DIR`` (default ``cache_root()/native``) under a name made of the digest of
+every source and header, the flags and the torch version, so a stale build is never loaded;
+processes starting together take turns. A directory built in advance (``main``, as ``make setup``
+and the container images do) is loaded without a compiler and without writing. Where the processor
 or the compiler is missing, ``load()`` returns None and the forward uses its torch-operation
 path.
 """
@@ -38,7 +39,10 @@ from specdraft.common import cache_root, file_lock
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "fused.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+"""The translation units the module is built from (``csrc/kernels.h`` lists what each holds)."""
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 """-ffp-contract=off: only the FMAs the source writes are fused (the compiler must not contract
 others differently in a loop's body and its tail); -fopenmp: beside their own thread pool, the
@@ -72,8 +76,13 @@ def unavailable_reason(build: bool = True) -> str | None:
     return None
 
 
-def build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+def build_name(sources: tuple[Path, ...] = SOURCES + HEADERS) -> str:
+    """The build's name: a digest of ``sources`` (every file that goes into it, by name and
+    content), the flags and the torch version."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
     return f"specdraft_fused_{digest.hexdigest()[:12]}"
 
 
@@ -101,7 +110,7 @@ def load() -> ModuleType | None:
     reason = unavailable_reason(build=not prebuilt)
     if reason is None:
         try:
-            module = _import(name, library) if prebuilt else _build(name, directory)
+            module = _import(name, library) if prebuilt else _build(name, directory, SOURCES)
         except (OSError, RuntimeError, ImportError) as exc:
             text = str(exc).strip()
             reason = f"the build failed: {text.splitlines()[-1] if text else type(exc).__name__}"
@@ -137,14 +146,18 @@ def serial_torch(on: bool = True) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _build(name: str, directory: Path) -> ModuleType:
+def _build(name: str, directory: Path, sources: tuple[Path, ...]) -> ModuleType:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
     with file_lock(directory.with_name(name + ".lock")):
+        # torch's own build lock (a file it deletes when done): one left by a build that was
+        # killed makes every later build wait for it forever. Under our lock no other process
+        # of ours is building here, so such a file is stale.
+        (directory / "lock").unlink(missing_ok=True)
         return cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in sources],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),

@@ -5,7 +5,7 @@ an output row is ``d * q + m``, q in 0..15, d and m float16) and whose tied embe
 Q8_0 (``d * q``, q in -128..127). De-quantised to float32 those are exact float32 numbers: the
 float32 model *is* those blocks. Found again from the float32 weights (and checked bit for bit),
 they can be read at 0.75 or 1.125 bytes a weight instead of 4 and rebuilt exactly in registers
-(``csrc/fused.cpp``): the same float32 weights, 5x less memory traffic per decoded token.
+(``csrc/quant_gemm.cpp``): the same float32 weights, 5x less memory traffic per decoded token.
 
 A weight that is not exactly such blocks (any other checkpoint, a fine-tuned one, bfloat16)
 packs to None and runs through the float32 GEMMs.
@@ -27,7 +27,7 @@ PANEL = 16  # output columns per packed panel (the kernel's two 8-lane vectors)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [n, k] weight in ``quant_linear``'s layout (see ``csrc/fused.cpp``)."""
+    """A [n, k] weight in ``quant_linear``'s layout (see ``csrc/quant_gemm.cpp``)."""
 
     codes: torch.Tensor  # 4-bit: [panels, k, 8] uint8 (two columns a byte); 8-bit: [panels, k, 16] int8
     scales: torch.Tensor  # [panels, k / 32, 16] float32

@@ -37,6 +37,8 @@ from typing import Any, Protocol
 
 import torch
 
+from specdraft.tokenizer import Tokenizer
+
 USER_SLOT = "\x00USER\x00"
 
 
@@ -163,7 +165,7 @@ class Completes(Protocol):
 class Completer:
     """Batched completions of token prefixes by the target (transformers ``generate``)."""
 
-    def __init__(self, model: Any, tokenizer: Any, eos_ids: Sequence[int], batch_size: int) -> None:
+    def __init__(self, model: Any, tokenizer: Tokenizer, eos_ids: Sequence[int], batch_size: int) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = list(eos_ids)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -209,12 +211,12 @@ class Completer:
         return results
 
 
-def template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+def template_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def user_turn_prefix(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def user_turn_prefix(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """The chat template of ``messages`` followed by the opening of a user turn, as ids: what the
     target continues to write a user message itself."""
     text = tokenizer.apply_chat_template(
@@ -225,7 +227,12 @@ def user_turn_prefix(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
 
 
 def self_instructions(
-    completer: Completes, tokenizer: Any, cfg: DataConfig, count: int, seen: set[str], first_round: int = 0
+    completer: Completes,
+    tokenizer: Tokenizer,
+    cfg: DataConfig,
+    count: int,
+    seen: set[str],
+    first_round: int = 0,
 ) -> Iterator[tuple[int, str]]:
     """Up to ``count`` new instructions written by the target, each passing ``keep_instruction``
     and not a duplicate of ``seen`` (which grows), with the round that wrote it. Round r's batch
@@ -378,7 +385,7 @@ def local_tasks(
 
 def make_prompts(
     completer: Completes,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     cfg: DataConfig,
     out: Path,
     exclude_modules: Iterable[str] = (),
@@ -426,7 +433,7 @@ def make_prompts(
 
 def make_conversations(
     completer: Completes,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     cfg: DataConfig,
     prompts: Path,
     out: Path,
@@ -482,7 +489,7 @@ def _own_seed(cfg: DataConfig, what: str, conversation: str) -> int:
 
 
 def _answer(
-    completer: Completes, tokenizer: Any, cfg: DataConfig, convs: list[Conversation], seed: int
+    completer: Completes, tokenizer: Tokenizer, cfg: DataConfig, convs: list[Conversation], seed: int
 ) -> None:
     """Append the target's answer to each conversation (greedy ones, then sampled ones)."""
     for sampled in (False, True):

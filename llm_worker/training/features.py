@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from llm_worker.training.data import read_jsonl, template_ids
 from specdraft.common import atomic_path, atomic_write_text, sha256_file
+from specdraft.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class FeatureConfig:
     only at answer positions."""
 
 
-def conversation_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]] | None:
+def conversation_ids(
+    tokenizer: Tokenizer, messages: list[dict[str, str]]
+) -> tuple[list[int], list[int]] | None:
     """The conversation's token ids through the chat template and its loss mask (1 at each
     position whose next token belongs to an assistant turn, the template's turn end included).
     None if the template is not prefix-stable for it (the answer's ids could not be located)."""
@@ -97,7 +100,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 def make_features(
     model: Any,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     conversations: Path,
     directory: Path,
     cfg: FeatureConfig,
@@ -166,7 +169,7 @@ def _members(items: list[dict[str, Any]]) -> str:
 
 
 def _chunk(
-    model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg: FeatureConfig
+    model: Any, tokenizer: Tokenizer, items: list[dict[str, Any]], cfg: FeatureConfig
 ) -> tuple[dict[str, torch.Tensor], int, int]:
     tokens, masks, hidden_masks, keys, values, hidden, offsets = [], [], [], [], [], [], [0]
     bad = 0

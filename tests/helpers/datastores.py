@@ -14,6 +14,7 @@ from helpers.models import FLAT_CURVE, engine_for, prompts, tiny_model
 from helpers.stats import VOCAB
 from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig, SamplingParams
 from llm_worker.drafters import DraftResources
+from llm_worker.encoders import ModelEncoder
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.model.target import TargetModel
@@ -78,7 +79,7 @@ def dense_version(
         "cache_dir": path.parent / "hidden",
     }
     build_cfg = DenseBuildConfig(**{**options, **cfg})
-    extend = dense_step(model, "tiny", target.info.weights_id, build_cfg, progress=False)
+    extend = dense_step(ModelEncoder(model), "tiny", target.info.weights_id, build_cfg, progress=False)
     vocab = target.info.vocab_size
     write_version(docs, path, vocab, tiny_identity(vocab), shards=shards, extend=extend)
     return DatastoreVersion(path)

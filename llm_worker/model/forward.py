@@ -1,0 +1,263 @@
+"""The fast forward written once against ``ops.Ops``: weights fused for the GEMMs it runs, the
+KV caches (``kv_pool``), each call's rows and positions, the layer loop and its outputs.
+
+A subclass (``fast_llama.FastLlamaTarget``) loads a model into the attributes ``Forward``
+documents and picks the operations; the loop here is the same for every implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llm_worker.model.kernels import Linear
+from llm_worker.model.kv_pool import GROW, KVPool, KVState
+from llm_worker.model.ops import CallRows, Ops
+from llm_worker.model.target import (
+    ForwardCall,
+    ForwardOutput,
+    KVBuffers,
+    SequenceState,
+    TargetInfo,
+    TargetModel,
+)
+from llm_worker.types import ArtifactNeeds
+from llm_worker.verify.tree import TreeBuffers
+
+
+@dataclass
+class Layer:
+    ln_attn: torch.Tensor  # [hidden]
+    qkv: Linear  # [hidden] → [(heads + 2 * kv_heads) * head_dim]
+    o: Linear  # [heads * head_dim] → [hidden]
+    ln_mlp: torch.Tensor  # [hidden]
+    gate_up: Linear  # [hidden] → [2 * intermediate]
+    down: Linear  # [intermediate] → [hidden]
+
+
+def fuse(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
+    """Concatenate Linear weights along the output dim; the modules then view the fused matrix."""
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+    offset = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(fused[offset : offset + rows], requires_grad=False)
+        offset += rows
+    return fused
+
+
+def fuse_bias(linears: Sequence[torch.nn.Linear]) -> torch.Tensor | None:
+    if all(lin.bias is None for lin in linears):
+        return None
+    parts = [
+        lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
+        for lin in linears
+    ]
+    return torch.cat(parts).contiguous()
+
+
+class Forward(TargetModel):
+    """A Llama-shaped forward over a pool of KV caches, on ``ops``. Subclasses set the attributes
+    below before the first call (``fast_llama.FastLlamaTarget``)."""
+
+    info: TargetInfo
+    device: torch.device
+    ops: Ops
+    eps: float
+    embed: torch.nn.Module  # token ids → [n, hidden]
+    layers: list[Layer]
+    norm: torch.Tensor  # the final RMSNorm's weight
+    lm_head: Linear
+    cos: torch.Tensor  # [max_context, head_dim] every position's RoPE cos
+    sin_signed: torch.Tensor  # [max_context, head_dim] its sin, the rotated half's sign folded in
+    min_rows: int  # rows a forward is padded to (the GEMM kernels' smallest minimum)
+    own_threads: bool  # every GEMM runs on the fused kernels' pool (``Ops.scope``)
+    _lock: threading.RLock  # forwards, commits and new states: the pool may move when it grows
+    _pool: KVPool
+
+    # -- KV state ---------------------------------------------------------------------------
+
+    def start(self) -> SequenceState:
+        with self._lock:
+            slot = self._pool.acquire()
+            if slot is not None:
+                return KVState(self._pool, slot)
+            keys, values = self._buffers(1, GROW)
+            return KVState(None, -1, keys, values)
+
+    def _buffers(self, slots: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [layers, slots, kv, capacity, d]; values [layers, slots, kv, capacity, d + 1] whose
+        last column is 1 (the torch attention's softmax denominator, see ``TorchOps._attention``)."""
+        i = self.info
+        shape = (i.num_layers, slots, i.num_kv_heads, capacity, i.head_dim)
+        kv_dtype = self.ops.kv_dtype
+        values = torch.zeros((*shape[:-1], i.head_dim + 1), dtype=kv_dtype, device=self.device)
+        values[..., -1] = 1
+        return torch.zeros(shape, dtype=kv_dtype, device=self.device), values
+
+    def _reserve(self, state: KVState, needed: int) -> None:
+        """Capacity for ``needed`` positions, rounded up to a multiple of ``GROW`` (which the
+        torch attention's key chunk divides)."""
+        capacity = state.keys.shape[3]
+        if needed <= capacity:
+            return
+        wanted = max(needed, min(capacity * 2, self.info.max_context + GROW))
+        new_capacity = -(-wanted // GROW) * GROW
+        if state.pool is not None:
+            state.pool.reserve(new_capacity)
+            return
+        keys, values = self._buffers(1, new_capacity)
+        keys[:, :, :, : state.length] = state.keys[:, :, :, : state.length]
+        values[:, :, :, : state.length] = state.values[:, :, :, : state.length]
+        state.set_buffers(keys, values)
+
+    def branching_rows_limit(self, state: SequenceState) -> int | None:
+        return self.ops.branching_rows_limit(state.length)
+
+    def kv(self, state: SequenceState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(state, KVState)
+        d = self.info.head_dim
+        return state.keys[layer, 0, :, : state.length], state.values[layer, 0, :, : state.length, :d]
+
+    def kv_buffers(self, state: SequenceState, layer: int) -> KVBuffers | None:
+        assert isinstance(state, KVState)
+        if state.pool is not None:
+            return KVBuffers(state.pool.keys[layer], state.pool.values[layer], state.slot)
+        return KVBuffers(state.keys[layer], state.values[layer], 0)
+
+    def commit(self, state: SequenceState, rows: Sequence[int]) -> None:
+        assert isinstance(state, KVState)
+        rows = list(rows)
+        start = state.length
+        if rows != list(range(len(rows))):
+            index = torch.tensor(rows, device=self.device) + start
+            dest = slice(start, start + len(rows))
+            with self._lock:  # the pool must not move while the rows are copied
+                keys, values = state.keys, state.values
+                keys[:, :, :, dest] = keys.index_select(3, index)
+                values[:, :, :, dest] = values.index_select(3, index)
+        state.length = start + len(rows)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        state: SequenceState,
+        tokens: torch.Tensor,
+        tree: TreeBuffers | None,
+        needs: ArtifactNeeds,
+        last_logits_only: bool = False,
+    ) -> ForwardOutput:
+        return self.forward_many([ForwardCall(state, tokens, tree, needs, last_logits_only)])[0]
+
+    def forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
+        """One forward over every call's rows: embeddings, norms, RoPE and the GEMMs run on all
+        rows at once (each row-invariant, so a row's numbers do not depend on its neighbours);
+        attention as the operations lay it out (``Ops.layout``), each row over its own cache."""
+        with self._lock, self.ops.scope(self.own_threads):
+            return self._forward_many(calls)
+
+    def _place(self, calls: Sequence[ForwardCall]) -> list[CallRows]:
+        """Check every call against the context limit, make room in its cache, and place its rows."""
+        placed: list[CallRows] = []
+        row = 0
+        for call in calls:
+            state = call.state
+            assert isinstance(state, KVState)
+            n = int(call.tokens.shape[0])
+            tree = call.tree
+            offsets = tree.position_offsets if tree is not None else torch.arange(n)
+            start = state.length
+            last_position = start + int(offsets.max())
+            if last_position >= self.info.max_context:
+                raise ValueError(
+                    f"context of {last_position + 1} tokens exceeds the model's limit of "
+                    f"{self.info.max_context}"
+                )
+            self._reserve(state, start + n)
+            placed.append(CallRows(state, row, n, start, tree, offsets + start))
+            row += n
+        return placed
+
+    def _forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
+        ops, eps = self.ops, self.eps
+        placed = self._place(calls)
+        total = placed[-1].row + placed[-1].n
+        # Fewer rows than the GEMM kernels' smallest minimum: zero rows are added to the embeddings
+        # once here rather than in every GEMM (nothing reads their results). A GEMM whose kernel
+        # needs more rows still pads its own input (``Linear``).
+        pad = max(0, self.min_rows - total)
+        layout = ops.layout(placed, total, pad)
+        positions = torch.cat([p.positions for p in placed]).to(self.device)  # [total]
+        cos, sin = self.cos[positions], self.sin_signed[positions]  # [total, d] each
+        tokens = torch.cat([c.tokens for c in calls]) if len(calls) > 1 else calls[0].tokens
+        h = self.embed(tokens.to(self.device))  # [total, hidden]
+        if pad:
+            h = F.pad(h, (0, 0, 0, pad))  # [total + pad, hidden]
+        outs = Outputs(calls, [p.rows for p in placed])
+        outs.keep_hidden(0, h)
+        h, x = ops.norm(h, None, self.layers[0].ln_attn, eps)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            q = ops.rope_store(layout, index, layer.qkv(x), cos, sin)  # [total, heads, d]
+            outs.keep_queries(index, q)
+            h, x = ops.norm(h, layer.o(ops.attention(layout, index, q)), layer.ln_mlp, eps)
+            down = layer.down(ops.activation(layer.gate_up(x)))
+            if index < last:
+                h, x = ops.norm(h, down, self.layers[index + 1].ln_attn, eps)
+                outs.keep_hidden(index + 1, h)
+            else:  # the final norm over the real rows (each row's numbers are its own)
+                h, x = ops.norm(h[:total], down[:total], self.norm, eps)
+        outs.keep_hidden(len(self.layers), x)  # the last layer's state after the final norm
+        return outs.with_logits(ops, self.lm_head, x)
+
+
+class Outputs:
+    """The outputs of a forward over several calls (``spans``: each call's rows), filled in as the
+    layers run: hidden states and queries each call asked for, then logits."""
+
+    def __init__(self, calls: Sequence[ForwardCall], spans: Sequence[slice]) -> None:
+        self.calls, self.spans = calls, spans
+        self.outs = [ForwardOutput(logits=torch.empty(0)) for _ in calls]
+        self.heads: list[dict[int, list[int]]] = []  # per call: layer -> query heads wanted
+        for call in calls:
+            by_layer: dict[int, list[int]] = {}
+            for layer_index, head in call.needs.query_heads:
+                by_layer.setdefault(layer_index, []).append(head)
+            self.heads.append(by_layer)
+
+    def keep_hidden(self, layer: int, h: torch.Tensor) -> None:
+        """h [rows, hidden]: the state entering ``layer`` (after the final norm for the last)."""
+        for call, span, out in zip(self.calls, self.spans, self.outs, strict=True):
+            if layer in call.needs.hidden_layers:
+                out.hidden[layer] = h[span]
+
+    def keep_queries(self, layer: int, q: torch.Tensor) -> None:
+        """q [rows, heads, d]: ``layer``'s post-RoPE queries."""
+        for span, out, by_layer in zip(self.spans, self.outs, self.heads, strict=True):
+            for head in by_layer.get(layer, ()):
+                out.queries[(layer, head)] = q[span, head]
+
+    def with_logits(self, ops: Ops, lm_head: Linear, h: torch.Tensor) -> list[ForwardOutput]:
+        """Logits of h [rows, hidden] (final-normed) for every row of a call, or its last row only
+        (a prefill chunk needs no more)."""
+        calls, spans = self.calls, self.spans
+        if len(calls) == 1:
+            chosen = h[-1:] if calls[0].last_logits_only else h
+        else:
+            wanted = [
+                torch.arange(s.stop - 1 if c.last_logits_only else s.start, s.stop)
+                for c, s in zip(calls, spans, strict=True)
+            ]
+            chosen = h[torch.cat(wanted).to(h.device)]
+        logits = ops.logits(lm_head, chosen)
+        row = 0
+        for call, span, out in zip(calls, spans, self.outs, strict=True):
+            count = 1 if call.last_logits_only else span.stop - span.start
+            out.logits = logits[row : row + count]
+            row += count
+        return self.outs

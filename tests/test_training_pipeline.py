@@ -1,0 +1,211 @@
+"""The training pipeline as a library: a toy drafter's recipe plugs into ``run_pipeline`` (no CLI
+edited), every stage runs in order and resumes; the CLI's defaults are the library's; settings
+out of range are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llm_worker.config import ModelConfig
+from llm_worker.model.target import TargetInfo, TargetModel
+from llm_worker.training.features import FeatureConfig, Sequence_
+from llm_worker.training.pipeline import (
+    PipelineConfig,
+    PipelineError,
+    Schedule,
+    StageBar,
+    TrainingRun,
+    run_pipeline,
+)
+from llm_worker.training.recipes import GLIDE_RECIPE, GLIDE_SCHEDULE, GlideRecipe
+from llm_worker.training.trainer import TrainReport
+
+
+@dataclass
+class ToyTrainer:
+    """Trains nothing: counts steps, keeps the count as its state (a resume continues from it)."""
+
+    run: TrainingRun
+    train: list[Sequence_]
+    log: list[str]
+    step: int = 0
+
+    def fit(self, state_path: Path, progress: Callable[[dict[str, Any]], None] | None = None) -> TrainReport:
+        self.log.append("fit")
+        if state_path.exists():
+            self.step = int(state_path.read_text())
+        while self.step < self.run.schedule.steps:
+            self.step += 1
+            if progress is not None:
+                progress({"step": self.step, "loss": 1.0 / self.step, "accuracy": []})
+        state_path.parent.mkdir(parents=True, exist_ok=True)
+        state_path.write_text(str(self.step))
+        return TrainReport(self.step, 0.0, 1.0 / self.step, [], 0)
+
+
+@dataclass(frozen=True)
+class ToyRecipe:
+    """A new learned drafter as the pipeline sees it: the first layer's K/V, a toy trainer, a
+    JSON checkpoint. Records which of its parts the pipeline called."""
+
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return "toy"
+
+    @property
+    def defaults(self) -> Schedule:
+        return Schedule(steps=3, tokens_per_batch=64, lr=0.1)
+
+    def check(self, info: TargetInfo) -> None:
+        self.log.append("check")
+
+    def features(self, info: TargetInfo, max_bytes: int) -> FeatureConfig:
+        self.log.append("features")
+        return FeatureConfig(layer=0, max_bytes=max_bytes)
+
+    def build_trainer(
+        self,
+        target: TargetModel,
+        d2t: torch.Tensor,
+        train: list[Sequence_],
+        heldout: list[Sequence_],
+        run: TrainingRun,
+    ) -> ToyTrainer:
+        self.log.append("build_trainer")
+        assert len(d2t) <= 64 and train and train[0].keys.shape[1] == len(train[0].tokens)
+        return ToyTrainer(run, train, self.log)
+
+    def save(
+        self, trainer: ToyTrainer, stem: Path, target: dict[str, Any], command: str, meta: dict[str, Any]
+    ) -> Path:
+        self.log.append("save")
+        path = stem.with_suffix(".json")
+        path.write_text(json.dumps({"kind": "toy", "target": target, "command": command, "meta": meta}))
+        return path
+
+
+class Stages:
+    """A ``Progress`` that records each stage and what its bar was told."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.updates: dict[str, list[int]] = {}
+
+    @contextmanager
+    def __call__(self, stage: str, total: int | None) -> Iterator[StageBar]:
+        self.seen.append(stage)
+        updates = self.updates.setdefault(stage, [])
+
+        class Bar:
+            def update(self, n: int) -> None:
+                updates.append(n)
+
+            def set_postfix_str(self, s: str) -> None:
+                pass
+
+        yield Bar()
+
+
+REPORT_KEYS = [
+    "data_dtype",
+    "prompts",
+    "answers",
+    "data_seconds",
+    "heldout_questions",
+    "features",
+    "vocabulary",
+    "training",
+    "checkpoint",
+    "seconds",
+]
+
+
+def test_a_new_drafter_plugs_in_as_a_recipe(tiny_dir: Path, tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "out" / "toy"
+    out.parent.mkdir()
+    config = PipelineConfig(
+        model=ModelConfig(path=str(tiny_dir)),
+        out=out,
+        work=work,
+        data_dtype="float32",
+        instructions=1,
+        local_tasks=4,
+        heldout_fraction=0.3,
+        max_answer_tokens=8,
+        generate_batch=4,
+        vocab=64,
+        command="toy command",
+    )
+    recipe, stages = ToyRecipe(), Stages()
+    report = run_pipeline(config, recipe, stages)
+    assert recipe.log == ["check", "features", "build_trainer", "fit", "save"]
+    assert stages.seen == ["prompts", "answers", "features", "train"]
+    assert list(report) == REPORT_KEYS
+    assert report["training"]["steps"] == 3  # the recipe's default schedule
+    assert stages.updates["train"] == [0, 1, 1, 1]
+    for name in (
+        "prompts.jsonl",
+        "conversations.jsonl",
+        "heldout-questions.jsonl",
+        "features-l0/manifest.json",
+    ):
+        assert (work / name).is_file(), name
+    saved = json.loads(Path(report["checkpoint"]).read_text())
+    assert saved["command"] == "toy command" and saved["meta"]["training"] == report["training"]
+    assert saved["meta"]["vocabulary"] == report["vocabulary"]
+
+    # a second run with more steps: nothing generated twice, training continues from its state
+    recipe, stages = ToyRecipe(), Stages()
+    again = run_pipeline(dataclasses.replace(config, schedule=Schedule(steps=5)), recipe, stages)
+    assert again["answers"]["skipped"] == report["answers"]["written"]
+    assert again["training"]["steps"] == 5 and stages.updates["train"] == [0, 4, 1]
+
+
+def test_a_layer_the_target_lacks_is_refused_before_any_data(tiny_dir: Path, tmp_path: Path) -> None:
+    config = PipelineConfig(model=ModelConfig(path=str(tiny_dir)), out=tmp_path / "g", work=tmp_path / "w")
+    with pytest.raises(PipelineError, match="--layer 99: the model has"):
+        run_pipeline(config, dataclasses.replace(GLIDE_RECIPE, layer=99))
+    assert not (tmp_path / "w").exists()
+
+
+def test_settings_out_of_range_are_refused() -> None:
+    with pytest.raises(PipelineError, match="--heldout-fraction"):
+        PipelineConfig(model=ModelConfig(), out=Path("x"), heldout_fraction=1.0)
+    with pytest.raises(PipelineError, match="--context-weight"):
+        GlideRecipe(context_weight=-0.5)
+
+
+def test_the_cli_defaults_are_the_librarys() -> None:
+    """``specdraft train glide`` only parses: its defaults are the pipeline's and GLIDE's."""
+    from client.cli import build_parser
+
+    args = build_parser().parse_args(["train", "glide", "--out", "x"])
+    config, recipe = PipelineConfig(model=ModelConfig(), out=Path("x")), GLIDE_RECIPE
+    for name in (
+        "data_dtype",
+        "instructions",
+        "local_tasks",
+        "heldout_fraction",
+        "max_answer_tokens",
+        "generate_batch",
+        "max_feature_gb",
+        "vocab",
+        "max_minutes",
+        "seed",
+    ):
+        assert getattr(args, name) == getattr(config, name), name
+    for name in ("layer", "init_layer", "block_size", "vanilla", "context_weight"):
+        assert getattr(args, name) == getattr(recipe, name), name
+    assert (args.steps, args.tokens_per_batch, args.lr) == dataclasses.astuple(GLIDE_SCHEDULE)
+    assert recipe.defaults == GLIDE_SCHEDULE
