@@ -221,7 +221,15 @@ class CurveCheck:
         window: int = 32,
         band: tuple[float, float] = (0.5, 2.0),
         max_window: int = 4096,
+        deferred: bool = False,
     ) -> None:
+        """``deferred``: ``observe`` only notes that a measurement is due (``due``) and the
+        owner runs it with ``measure_if_due`` when no request is in flight (an engine: before
+        a request starts), so that no request waits for it mid-stream and no request's timing
+        or forwards mix with it."""
+        self.deferred = deferred
+        self.due = False
+        """A disagreement was seen and a measurement is waiting (``deferred`` only)."""
         self._curve = curve
         self.measure = measure
         self.window = window
@@ -259,7 +267,23 @@ class CurveCheck:
             if low <= ratio <= high:
                 self._needed = self.window  # the curve agrees: a later drift is caught as fast
                 return False
+            if self.deferred:
+                self.due = True
+                return False
             self._measuring = True
+        return self._measure(ratio)
+
+    def measure_if_due(self) -> bool:
+        """Run the measurement a deferred check noted as due; True if the curve was replaced."""
+        with self._lock:
+            if not self.due or self._measuring:
+                return False
+            self.due = False
+            self._measuring = True
+            ratio = statistics.median(self._ratios) if self._ratios else float("nan")
+        return self._measure(ratio)
+
+    def _measure(self, ratio: float) -> bool:
         log.warning(
             "the verify cost curve disagrees with this run's forwards (they took %.2f× its price, "
             "median of the last %d): measuring it again",

@@ -233,6 +233,9 @@ class Engine:
         (``llm_worker.costs.CurveCheck``); None for a curve given by the caller, and under
         batching, where a forward's time is shared by the requests in it."""
         self._active = 0  # streams in progress: a forward is timed alone only when there is one
+        # guards ``_active`` (reentrant: a stream abandoned mid-way may be finalized by the
+        # garbage collector in a thread that holds it)
+        self._active_lock = threading.RLock()
         self._modes: OrderedDict[str, _ModeRuntime] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
@@ -248,24 +251,31 @@ class Engine:
                 if self.scheduler is None:
                     target, cost = self.target, self.config.cost
                     self._curve_check = CurveCheck(
-                        self._curve, lambda: measure_curve_and_cache(target, cost, max_size)
+                        self._curve, lambda: measure_curve_and_cache(target, cost, max_size), deferred=True
                     )
             return self._curve
 
     def _check_curve(self, draft: Draft, context: int, seconds: float) -> None:
         """Show the curve check a step's forward (``draft``'s nodes and the root after
-        ``context`` cached tokens, ``seconds``) if this request ran alone; when the check measured
-        a new curve, every planner plans with it from the next step on."""
+        ``context`` cached tokens, ``seconds``) if this request runs alone. A disagreement only
+        marks a measurement as due: it runs before the next request starts with no other in
+        flight (``_measure_if_due``), never inside a request's stream."""
         check = self._curve_check
-        if check is None or self._active != 1 or not isinstance(draft, DraftTree):
+        if check is not None and self._active == 1 and isinstance(draft, DraftTree):
+            check.observe(1 + len(draft), context, seconds)
+
+    def _measure_if_due(self) -> None:
+        """Measure the cost curve again if the check asked for it (called with no stream in
+        flight); every planner plans with the new curve from then on."""
+        check = self._curve_check
+        if check is None or not check.due or not check.measure_if_due():
             return
-        if check.observe(1 + len(draft), context, seconds):
-            with self._lock:
-                self._curve = check.curve
-                for rt in self._modes.values():
-                    for planner in rt.planners.values():
-                        if planner is not None:
-                            planner.curve = check.curve
+        with self._lock:
+            self._curve = check.curve
+            for rt in self._modes.values():
+                for planner in rt.planners.values():
+                    if planner is not None:
+                        planner.curve = check.curve
 
     def runtime(self, mode: str) -> _ModeRuntime:
         """The drafter and planners of ``mode``, kept for the ``MAX_MODE_RUNTIMES`` modes used
@@ -284,6 +294,9 @@ class Engine:
             planners = [DraftPlanner(self.cost_curve, self.config.planner) for _ in range(2)]
         with self._lock:
             rt = self._modes.setdefault(key, _ModeRuntime(drafter, *planners))
+            for planner in rt.planners.values():  # the curve may have been measured again meanwhile
+                if planner is not None and self._curve is not None:
+                    planner.curve = self._curve
             self._modes.move_to_end(key)
             while len(self._modes) > MAX_MODE_RUNTIMES:
                 self._modes.popitem(last=False)
@@ -343,7 +356,9 @@ class Engine:
         rt = self.runtime(req.mode)
         session = self.scheduler.session() if self.scheduler is not None else None
         steps = self._decode(req, rt, session)
-        with self._lock:
+        with self._active_lock:  # streams starting meanwhile wait for a measurement
+            if self._active == 0:
+                self._measure_if_due()
             self._active += 1
         try:
             while True:
@@ -353,7 +368,7 @@ class Engine:
                     return
                 yield item
         finally:
-            with self._lock:
+            with self._active_lock:
                 self._active -= 1
             steps.close()
             if session is not None:

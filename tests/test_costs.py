@@ -248,7 +248,8 @@ def test_a_cost_curve_recorded_under_a_busy_machine_is_corrected(
 def test_an_engine_corrects_the_busy_curve_it_loaded_and_its_planners_use_the_new_one(
     target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same through the engine: a request decoded alone shows the check its forwards, and the
+    """The same through the engine: a request decoded alone shows the check its forwards; the
+    curve is measured again before the next request starts (never inside a stream), and the
     engine's planners (here `pld`'s, made before) plan with the corrected curve."""
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(costs, "LoadWatch", _Quiet)
@@ -263,7 +264,10 @@ def test_an_engine_corrects_the_busy_curve_it_loaded_and_its_planners_use_the_ne
     assert planner is not None and planner.curve == recorded
 
     prompt = tuple(range(5, 29))
-    engine.generate(GenerationRequest(prompt, 48, "ar", stop_at_eos=False))
+    first = engine.generate(GenerationRequest(prompt, 48, "ar", stop_at_eos=False))
+    assert engine.cost_curve == recorded  # due, but not measured inside the request
+    second = engine.generate(GenerationRequest(prompt, 8, "ar", stop_at_eos=False))
+    assert second.token_ids == first.token_ids[:8]
 
     corrected = engine.cost_curve
     assert corrected.t(1, 30) < recorded.t(1, 30) / 3
