@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide corpus gpu-train clean
 
 setup: $(STAMP)
 
@@ -118,6 +118,27 @@ train-glide: setup
 	  --out $(GLIDE_DIR)/glide-vanilla
 	$(VENV)/bin/specdraft train cape --checkpoint $(GLIDE_DIR)/glide
 	$(VENV)/bin/specdraft train cape --checkpoint $(GLIDE_DIR)/glide-vanilla
+
+# The target's own corpus (docs/learned-drafters.md, "The corpus"): continue it here for
+# CORPUS_MINUTES (the answers to the kept prompts not yet answered, through the target's batched
+# forward), then pack it back into CORPUS_DIR to commit. Resumable: the work directory keeps what
+# an interrupted run wrote, and the next run goes on from it or from the committed corpus.
+CORPUS_DIR     ?= corpus/de7dc0073f16aefd
+CORPUS_WORK    ?= bench-out/corpus-work
+CORPUS_MINUTES ?= 60
+CORPUS_ARGS    ?= --instructions 16000 --local-tasks 856 --max-answer-tokens 320 --generate-batch 32
+corpus: setup
+	$(VENV)/bin/specdraft train corpus unpack --corpus $(CORPUS_DIR) --work $(CORPUS_WORK)
+	$(VENV)/bin/specdraft train glide --work $(CORPUS_WORK) --out $(CORPUS_WORK)/unused --data-only \
+	  $(CORPUS_ARGS) --data-minutes $(CORPUS_MINUTES)
+	$(VENV)/bin/specdraft train corpus pack --work $(CORPUS_WORK) --corpus $(CORPUS_DIR) \
+	  --note "make corpus CORPUS_MINUTES=$(CORPUS_MINUTES) CORPUS_ARGS='$(CORPUS_ARGS)'"
+
+# One bounded run of the whole pipeline on a GPU (scripts/gpu/train.sh: the corpus continued,
+# features, GLIDE and its ablation side by side; results packed into GPU_OUT).
+GPU_OUT ?= bench-out/gpu-train
+gpu-train: setup
+	PY=$(PY) OUT_DIR=$(GPU_OUT) bash scripts/gpu/train.sh
 
 calibrate: setup
 	$(VENV)/bin/specdraft calibrate-heads --ship

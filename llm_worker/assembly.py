@@ -8,7 +8,6 @@ server and the benchmarks: each builds a ``ModelConfig`` and a ``ResourceConfig`
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -18,7 +17,7 @@ from llm_worker.config import ModelConfig
 from llm_worker.drafters import DraftResources
 from llm_worker.engine import Engine
 from llm_worker.model import load_target
-from llm_worker.model.loading import ModelNotFoundError
+from llm_worker.model.loading import ModelNotFoundError, quiet_libraries
 from llm_worker.model.target import TargetModel
 from specdraft.security import ClientSecurity
 from specdraft.tokenizer import Tokenizer
@@ -54,17 +53,6 @@ class ResourceConfig:
     """The induction-head calibration of ``pld+a`` (None = the one shipped for the model)."""
     drafters_dir: str | None = None
     """Learned drafters' checkpoints (``glide.json``, ...) looked for before the shipped ones."""
-
-
-def quiet_libraries() -> None:
-    """No hub access, no advisory warnings or progress bars from transformers and tokenizers."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def load_model(cfg: ModelConfig) -> tuple[TargetModel, Tokenizer]:

@@ -159,3 +159,25 @@ def test_features_follow_the_conversations_and_keep_a_held_out_chunk(tiny_dir: P
     path.write_text("".join(conv(i) for i in range(4)) + conv(9, "heldout"))
     manifest = make_features(model, tok, path, bounded, FeatureConfig(layer=0, max_bytes=1), "w")
     assert manifest["truncated"] and len(list(load_sequences(bounded, "heldout"))) == 1
+
+
+def test_batched_teacher_forcing_matches_one_sequence_at_a_time(tiny_dir: Path) -> None:
+    """Features of sequences of different lengths forced together (right-padded, in groups that
+    fit the token budget) are those of each sequence alone, up to float rounding."""
+    from unittest import mock
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llm_worker.training import features
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(1, 90, (n,), generator=generator).tolist() for n in (7, 30, 1, 18)]
+    alone = [features._teacher_forced(model, [s], 1)[0] for s in sequences]
+    with mock.patch.object(features, "FORWARD_TOKENS", 40):  # two forwards: 30 + 18 > 40
+        together = features._teacher_forced(model, sequences, 1)
+    for s, one, many in zip(sequences, alone, together, strict=True):
+        for a, b in zip(one, many, strict=True):
+            assert a.shape[-2 if a.dim() == 3 else 0] == len(s)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -131,22 +131,25 @@ REPORT_KEYS = [
 ]
 
 
-def test_a_new_drafter_plugs_in_as_a_recipe(tiny_dir: Path, tmp_path: Path) -> None:
-    work, out = tmp_path / "work", tmp_path / "out" / "toy"
-    out.parent.mkdir()
-    config = PipelineConfig(
-        model=ModelConfig(path=str(tiny_dir)),
-        out=out,
-        work=work,
+def tiny_config(tiny_dir: Path, out: Path, work: Path, **overrides: Any) -> PipelineConfig:
+    """A run small enough for a test: the tiny model, a few prompts, short answers."""
+    fields: dict[str, Any] = dict(
         data_dtype="float32",
         instructions=1,
         local_tasks=4,
         heldout_fraction=0.3,
-        max_answer_tokens=8,
-        generate_batch=4,
+        max_answer_tokens=4,
+        generate_batch=2,
         vocab=64,
-        command="toy command",
     )
+    fields.update(overrides)
+    return PipelineConfig(model=ModelConfig(path=str(tiny_dir)), out=out, work=work, **fields)
+
+
+def test_a_new_drafter_plugs_in_as_a_recipe(tiny_dir: Path, tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "out" / "toy"
+    out.parent.mkdir()
+    config = tiny_config(tiny_dir, out, work, max_answer_tokens=8, generate_batch=4, command="toy command")
     recipe, stages = ToyRecipe(), Stages()
     report = run_pipeline(config, recipe, stages)
     assert recipe.log == ["check", "features", "build_trainer", "fit", "save"]
@@ -209,3 +212,49 @@ def test_the_cli_defaults_are_the_librarys() -> None:
         assert getattr(args, name) == getattr(recipe, name), name
     assert (args.steps, args.tokens_per_batch, args.lr) == dataclasses.astuple(GLIDE_SCHEDULE)
     assert recipe.defaults == GLIDE_SCHEDULE
+
+
+def test_data_only_stops_after_the_answers_and_a_past_data_deadline_writes_none(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """``data_only`` grows the data and stops (no features, no training); a run whose data time
+    is already up starts no batch of answers and says so, then a later run continues."""
+    work, out = tmp_path / "work", tmp_path / "out" / "toy"
+    config = tiny_config(tiny_dir, out, work, heldout_fraction=0.05, data_only=True, data_minutes=1e-9)
+    recipe, stages = ToyRecipe(), Stages()
+    report = run_pipeline(config, recipe, stages)
+    assert stages.seen == ["prompts", "answers"] and recipe.log == ["check"]
+    assert report["answers"]["written"] == 0 and report["answers"]["stopped_at_deadline"]
+    assert not (work / "features-l0").exists()
+    report = run_pipeline(dataclasses.replace(config, data_minutes=None), ToyRecipe(), Stages())
+    assert report["answers"]["written"] == report["answers"]["prompts"] > 0
+    assert not report["answers"]["stopped_at_deadline"]
+
+
+def test_finish_minutes_leaves_time_for_the_export(tiny_dir: Path, tmp_path: Path) -> None:
+    """``finish_minutes`` turns into the trainer's time limit: the run's deadline less the
+    export's margin (at least a second), whatever ``max_minutes`` allowed."""
+    from llm_worker.training import pipeline
+
+    seen: list[float | None] = []
+
+    @dataclass(frozen=True)
+    class TimedRecipe(ToyRecipe):
+        def build_trainer(self, target, d2t, train, heldout, run):  # type: ignore[no-untyped-def]
+            seen.append(run.max_seconds)
+            return super().build_trainer(target, d2t, train, heldout, run)
+
+    config = tiny_config(tiny_dir, tmp_path / "toy", tmp_path / "work", max_minutes=60, finish_minutes=2)
+    run_pipeline(config, TimedRecipe(), Stages())
+    assert seen[0] is not None and 1.0 <= seen[0] <= 120 - pipeline.FINISH_MARGIN_SECONDS
+
+
+def test_the_learning_rate_runs_out_with_the_time_limit() -> None:
+    from llm_worker.training.trainer import GlideTrainer, TrainConfig
+
+    trainer = GlideTrainer.__new__(GlideTrainer)
+    trainer.cfg = TrainConfig(steps=1000, lr=1e-3)
+    assert trainer.lr_at(500) == pytest.approx(trainer.lr_at(500, 0.0))
+    assert trainer.lr_at(100, 1.0) == pytest.approx(0.0, abs=1e-12)  # the time is up: decayed
+    assert trainer.lr_at(100, 0.5) < trainer.lr_at(100, 0.0)
+    assert trainer.lr_at(999, 0.2) == pytest.approx(trainer.lr_at(999))  # the steps run out first

@@ -56,9 +56,38 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         help="target layer the draft layer starts from (default: --layer)",
     )
     g.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    g.add_argument(
+        "--finish-minutes",
+        type=float,
+        default=None,
+        help="end the whole run within this long: training stops in time for the export",
+    )
+    g.add_argument(
+        "--data-only", action="store_true", help="stop after the prompts and answers (grow a corpus)"
+    )
+    g.add_argument(
+        "--data-minutes",
+        type=float,
+        default=None,
+        help="start no new batch of prompts or answers after this long; go on with what is written",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.set_defaults(func=cmd_train_glide)
+
+    k = tsub.add_parser(
+        "corpus",
+        help="keep the target's own corpus (prompts and answers) compressed, and continue from it",
+        description="unpack: put a corpus directory's files into a work directory (checksums "
+        "checked; a work directory that is ahead is kept), so `train glide --work WORK` continues "
+        "it. pack: compress the work directory's prompts and answers back into the corpus "
+        "directory and record the run in its manifest.",
+    )
+    k.add_argument("action", choices=["pack", "unpack"])
+    k.add_argument("--corpus", required=True, help="the corpus directory (xz files and manifest.json)")
+    k.add_argument("--work", required=True, help="the work directory of `train glide`")
+    k.add_argument("--note", default="", help="pack: what grew it (the command), for the manifest's history")
+    k.set_defaults(func=cmd_train_corpus)
 
     c = tsub.add_parser(
         "cape",
@@ -116,6 +145,9 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
             vocab=args.vocab,
             schedule=Schedule(steps=args.steps, tokens_per_batch=args.tokens_per_batch, lr=args.lr),
             max_minutes=args.max_minutes,
+            data_minutes=args.data_minutes,
+            finish_minutes=args.finish_minutes,
+            data_only=args.data_only,
             seed=args.seed,
             exclude_modules=frozenset(
                 name.split(".")[0] for names in SUITE_SOURCES.values() for name in names
@@ -134,6 +166,21 @@ def cmd_train_glide(args: argparse.Namespace) -> int:
     except PipelineError as exc:
         raise CliError(str(exc)) from None
     print_json(report, indent=2)
+    return 0
+
+
+def cmd_train_corpus(args: argparse.Namespace) -> int:
+    from llm_worker.training.corpus import CorpusError, pack, unpack
+
+    corpus, work = Path(args.corpus), Path(args.work)
+    try:
+        if args.action == "unpack":
+            print_json(unpack(corpus, work), indent=1)
+        else:
+            manifest = pack(work, corpus, {"note": args.note} if args.note else None)
+            print_json({"files": manifest["files"], "data_dtype": manifest.get("data_dtype")}, indent=1)
+    except (CorpusError, OSError) as exc:
+        raise CliError(str(exc)) from None
     return 0
 
 

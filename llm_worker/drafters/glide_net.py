@@ -206,7 +206,7 @@ def init_from_target(net: GlideNet, model: Any, d2t: torch.Tensor, layer_index: 
             layer.up.weight.copy_(mlp.up_proj.weight.float())
             layer.down.weight.copy_(mlp.down_proj.weight.float())
         net.norm.weight.copy_(model.model.norm.weight.float())
-        net.head.weight.copy_(model.lm_head.weight.float()[d2t])
+        net.head.weight.copy_(model.lm_head.weight.float()[d2t.to(model.lm_head.weight.device)])
 
 
 def glide_config_for(model: Any, draft_vocab: int, **overrides: Any) -> GlideConfig:
@@ -234,7 +234,8 @@ def rope_tables(model: Any, max_positions: int) -> tuple[torch.Tensor, torch.Ten
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rotary is None:
         raise ValueError("GLIDE needs a target with rotary position embeddings (a Llama-family model)")
-    positions = torch.arange(max_positions)[None]
-    probe = torch.zeros(1, dtype=torch.float32)
+    device = next(iter(rotary.buffers()), torch.empty(0)).device  # where the target lives
+    positions = torch.arange(max_positions, device=device)[None]
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
     cos, sin = rotary(probe, positions)
-    return cos[0].float(), sin[0].float()
+    return cos[0].float().cpu(), sin[0].float().cpu()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,17 @@ CONVERT_BYTES_PER_SECOND = 5e6
 
 class ModelNotFoundError(RuntimeError):
     """The model directory or the default model package is missing."""
+
+
+def quiet_libraries() -> None:
+    """No hub access, no advisory warnings or progress bars from transformers and tokenizers."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def default_gguf_path() -> Path:

@@ -30,6 +30,7 @@ import random
 import re
 import string
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,12 @@ class DataConfig:
     """Share of conversations answered by sampling (temperature ``temperature``, top-p 0.95)."""
     temperature: float = 0.8
     seed: int = 0
+    deadline: float | None = None
+    """``time.monotonic()`` after which no new batch of prompts or answers starts (what is written
+    stays; a rerun continues); None: no limit."""
+
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
 
 @dataclass
@@ -186,8 +193,9 @@ class Completer:
         for lo in range(0, len(prefixes), self.batch_size):
             batch = [list(p) for p in prefixes[lo : lo + self.batch_size]]
             width = max(len(p) for p in batch)
-            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            device = self.model.device
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
             torch.manual_seed(seed + lo)
             kwargs: dict[str, Any] = {"do_sample": False}
             if temperature > 0:
@@ -242,6 +250,8 @@ def self_instructions(
     prefix = user_turn_prefix(tokenizer, [])
     made, rounds = 0, first_round
     while made < count and rounds < first_round + max(4, 4 * count // completer.batch_size + 1):
+        if cfg.past_deadline():
+            return
         outs = completer.complete(
             [prefix] * completer.batch_size, cfg.max_instruction_tokens, 1.0, cfg.seed * 1000003 + rounds
         )
@@ -445,9 +455,12 @@ def make_conversations(
     done = {r["id"] for r in read_jsonl(out)}
     todo = [p for p in records if p.id not in done]
     writer = JsonlWriter(out)
-    written = 0
+    written, stopped = 0, False
     try:
         for lo in range(0, len(todo), cfg.batch_size):
+            if cfg.past_deadline():
+                stopped = True
+                break
             batch = todo[lo : lo + cfg.batch_size]
             convs = []
             for p in batch:
@@ -479,7 +492,7 @@ def make_conversations(
                 progress(len(batch))
     finally:
         writer.close()
-    return {"prompts": len(records), "skipped": len(done), "written": written}
+    return {"prompts": len(records), "skipped": len(done), "written": written, "stopped_at_deadline": stopped}
 
 
 def _own_seed(cfg: DataConfig, what: str, conversation: str) -> int:

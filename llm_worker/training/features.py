@@ -72,23 +72,41 @@ def conversation_ids(
     return full, mask
 
 
+FORWARD_TOKENS = 16384
+"""Padded tokens per teacher-forced forward: a chunk's conversations go through the target
+together, in as few forwards as fit (right-padded: a causal model's real positions never see the
+padding after them)."""
+
+
 def _teacher_forced(
-    model: Any, ids: list[int], layer: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keys, values [kv, n, d] of ``layer`` as the target caches them; final hidden [n, hidden]."""
+    model: Any, sequences: list[list[int]], layer: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per sequence: keys, values [kv, n, d] of ``layer`` as the target caches them and the final
+    hidden state [n, hidden] (after the final norm), on the host. Batched on the model's device."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    with torch.inference_mode():
-        out = model(
-            input_ids=torch.tensor([ids]),
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=True,
-            logits_to_keep=1,
-        )
-    entry: Any = cache.layers[layer]
-    return entry.keys[0], entry.values[0], out.hidden_states[-1][0]
+    base = model.base_model  # the decoder stack: its last hidden state is after the final norm
+    device = model.device
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    placed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    lo = 0
+    while lo < len(order):
+        width = len(sequences[order[lo]])
+        rows = max(1, min(len(order) - lo, FORWARD_TOKENS // width))
+        group = order[lo : lo + rows]
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        for row, i in enumerate(group):
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+        cache = DynamicCache()
+        with torch.inference_mode():
+            out = base(input_ids=ids.to(device), past_key_values=cache, use_cache=True)
+        entry: Any = cache.layers[layer]
+        keys, values, hidden = entry.keys.cpu(), entry.values.cpu(), out.last_hidden_state.cpu()
+        for row, i in enumerate(group):
+            n = len(sequences[i])
+            placed[i] = (keys[row, :, :n], values[row, :, :n], hidden[row, :n])
+        lo += rows
+    return [placed[i] for i in range(len(sequences))]
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -173,6 +191,7 @@ def _chunk(
 ) -> tuple[dict[str, torch.Tensor], int, int]:
     tokens, masks, hidden_masks, keys, values, hidden, offsets = [], [], [], [], [], [], [0]
     bad = 0
+    usable: list[tuple[list[int], list[int]]] = []
     for record in items:
         made = conversation_ids(tokenizer, record["messages"])
         if made is None:
@@ -183,7 +202,9 @@ def _chunk(
             bad += 1
             continue
         mask[-1] = 0  # the last position's next token is not in the sequence
-        k, v, h = _teacher_forced(model, ids, cfg.layer)
+        usable.append((ids, mask))
+    forced = _teacher_forced(model, [ids for ids, _ in usable], cfg.layer) if usable else []
+    for (ids, mask), (k, v, h) in zip(usable, forced, strict=True):
         answers = torch.tensor(mask, dtype=torch.bool)
         where = answers.clone()
         if cfg.hidden_everywhere:

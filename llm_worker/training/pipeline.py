@@ -112,20 +112,35 @@ class PipelineConfig:
     """Steps, batch and learning rate; None: the recipe's defaults."""
     max_minutes: float | None = None
     """Stop training after this long (None or 0: no limit)."""
+    finish_minutes: float | None = None
+    """The whole run (data, features, training, export) ends within this many minutes of its
+    start: training stops early enough for the held-out evaluation and the export (None or 0:
+    no limit)."""
+    data_minutes: float | None = None
+    """Start no new batch of prompts or answers after this long (None or 0: no limit); the run
+    goes on with the data written so far, and a rerun continues it."""
     seed: int = 0
     """Seed of the data (sampled answers, local tasks) and of training."""
     exclude_modules: frozenset[str] = frozenset()
     """Standard-library modules local tasks leave out (those a benchmark reads)."""
     command: str = ""
     """The command that made the checkpoint, recorded in it."""
+    data_only: bool = False
+    """Stop after the data stages (prompts and answers): to grow a corpus in pieces."""
+    finish_by: float | None = None
+    """Unix time ``finish_minutes`` sets at the run's start."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise PipelineError("--heldout-fraction must be in [0, 1)")
 
-    def data_config(self) -> DataConfig:
-        """The data stages' own config."""
+    def data_config(self, began: float | None = None) -> DataConfig:
+        """The data stages' own config; ``began`` (``time.monotonic()``) starts ``data_minutes``."""
+        deadline = None
+        if self.data_minutes and began is not None:
+            deadline = began + self.data_minutes * 60
         return DataConfig(
+            deadline=deadline,
             instructions=self.instructions,
             local_tasks=self.local_tasks,
             heldout_fraction=self.heldout_fraction,
@@ -252,12 +267,17 @@ def run_pipeline(
     from specdraft.common import cache_root
 
     began = time.perf_counter()
+    if config.finish_minutes:
+        config = dataclasses.replace(config, finish_by=time.time() + config.finish_minutes * 60)
     target, tokenizer = load_target(config)
     info = target.info
     work = config.work or cache_root() / "train" / weights_id_of(info)
     recipe.check(info)
     torch.manual_seed(config.seed)
     report = make_data(config, target, tokenizer, work, progress)
+    if config.data_only:
+        report["seconds"] = round(time.perf_counter() - began, 1)
+        return report
     directory, report["features"] = make_target_features(config, recipe, target, tokenizer, work, progress)
     d2t, report["vocabulary"] = draft_vocabulary_of(config, info, directory)
     trainer, report["training"] = train(config, recipe, target, directory, d2t, progress)
@@ -273,14 +293,22 @@ def weights_id_of(info: TargetInfo) -> str:
     return info.weights_id or info.fingerprint
 
 
+def load_model(cfg: ModelConfig) -> tuple[TargetModel, Any]:
+    """The target of ``cfg`` and its tokenizer; PipelineError for a missing model or an impossible
+    configuration. (Not through ``llm_worker.assembly``: training needs no engine, no gRPC stubs.)"""
+    from llm_worker.model import load_target as load_model_target
+    from llm_worker.model.loading import ModelNotFoundError, quiet_libraries
+
+    quiet_libraries()
+    try:
+        return load_model_target(cfg)
+    except (ModelNotFoundError, ValueError) as exc:
+        raise PipelineError(str(exc)) from exc
+
+
 def load_target(config: PipelineConfig) -> tuple[TargetModel, Any]:
     """The target in the run's dtype, and its tokenizer (which must have a chat template)."""
-    from llm_worker.assembly import AssemblyError, load_model
-
-    try:
-        target, tokenizer = load_model(config.model_config(config.model.dtype))
-    except AssemblyError as exc:
-        raise PipelineError(str(exc)) from exc
+    target, tokenizer = load_model(config.model_config(config.model.dtype))
     if not getattr(tokenizer, "chat_template", None):
         raise PipelineError(
             "training data is made through the model's chat template; this tokenizer has none"
@@ -295,6 +323,10 @@ def choose_data_dtype(config: PipelineConfig, info: TargetInfo, work: Path) -> D
     chosen_file = work / DATA_DTYPE  # the data of one work directory is written in one dtype
     if dtype == "auto" and chosen_file.is_file():
         dtype = chosen_file.read_text().strip()
+    if dtype == "auto" and config.model.device.startswith("cuda"):
+        dtype = "bfloat16"  # tensor cores; no CPU kernel to measure
+        work.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(chosen_file, dtype + "\n")
     if dtype == "auto":
         from llm_worker.model.kernels import fastest_dtype
 
@@ -312,13 +344,12 @@ def make_data(
 ) -> dict[str, Any]:
     """Stages 1-2: prompts and the target's answers, in the data dtype; the held-out prompts as
     benchmark questions. The report's data part."""
-    from llm_worker.assembly import load_model
     from llm_worker.training.data import Completer, make_conversations, make_prompts
     from llm_worker.training.generate import TargetCompleter
 
     data_dtype = choose_data_dtype(config, target.info, work)
     report: dict[str, Any] = {"data_dtype": data_dtype}
-    data_cfg = config.data_config()
+    data_cfg = config.data_config(began=time.monotonic())
     writer = target
     if data_dtype != config.model.dtype:
         writer, _ = load_model(config.model_config(data_dtype))
@@ -407,6 +438,11 @@ def draft_vocabulary_of(
     return draft_vocabulary(directory, min(config.vocab, info.vocab_size), info.eos_token_ids)
 
 
+FINISH_MARGIN_SECONDS = 45.0
+"""What ``finish_minutes`` keeps back from training for the final held-out evaluation and the
+export (a few seconds on a GPU, under a minute on a CPU for a held-out split of 250 k tokens)."""
+
+
 def train(
     config: PipelineConfig,
     recipe: Recipe[TrainerT],
@@ -425,6 +461,9 @@ def train(
         raise PipelineError("no training data was made (see the counts above)")
     schedule = config.schedule or recipe.defaults
     max_seconds = config.max_minutes * 60 if config.max_minutes else None
+    if config.finish_by is not None:  # leave time for the held-out evaluation and the export
+        remaining = max(1.0, config.finish_by - time.time() - FINISH_MARGIN_SECONDS)
+        max_seconds = remaining if max_seconds is None else min(max_seconds, remaining)
     run = TrainingRun(schedule, config.seed, config.model.device, max_seconds)
     trainer = recipe.build_trainer(target, d2t, train_seqs, heldout, run)
     with progress("train", schedule.steps) as bar:

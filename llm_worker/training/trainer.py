@@ -90,12 +90,13 @@ class TrainReport:
 
 def with_labels(seqs: list[Sequence_], head: torch.Tensor) -> list[Example]:
     """The target's argmax at every labelled position, from its final hidden state and ``head``
-    [vocab, hidden] (computed in blocks, float32)."""
+    [vocab, hidden] (computed in blocks, float32, on ``head``'s device; the labels on the host)."""
     out = []
     for s in seqs:
         labels = []
         for lo in range(0, s.hidden.shape[0], 512):
-            labels.append((s.hidden[lo : lo + 512].float() @ head.T).argmax(-1))
+            block = s.hidden[lo : lo + 512].to(head.device).float()
+            labels.append((block @ head.T).argmax(-1).cpu())
         label = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
         out.append(Example(s.tokens, s.loss_mask, s.keys, s.values, s.hidden, label, s.hidden_mask))
     return out
@@ -140,7 +141,9 @@ class GlideTrainer:
         self.d2t = d2t.to(self.device)
         self.t2d = torch.full((head.shape[0],), -1, dtype=torch.long, device=self.device)
         self.t2d[self.d2t] = torch.arange(len(d2t), device=self.device)
-        self.draft_head = head[d2t].to(self.device)  # [V, hidden]: the target's rows of the draft vocabulary
+        self.draft_head = head[d2t.to(head.device)].to(
+            self.device
+        )  # [V, hidden]: the target's rows of the draft vocabulary
         longest = max([len(s.tokens) for s in train + heldout] + [1])
         cos, sin = rope_tables(model, longest)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
@@ -252,11 +255,13 @@ class GlideTrainer:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, time_fraction: float = 0.0) -> float:
+        """Linear warm-up, then cosine decay to 0 by the last step, or by the time limit
+        (``time_fraction``: the share of ``max_seconds`` spent) if that comes first."""
         warm = max(1, int(self.cfg.warmup_fraction * self.cfg.steps))
         if step < warm:
             return self.cfg.lr * (step + 1) / warm
-        frac = (step - warm) / max(1, self.cfg.steps - warm)
+        frac = max((step - warm) / max(1, self.cfg.steps - warm), time_fraction)
         return self.cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
     def save_state(self, path: Path) -> None:
@@ -326,8 +331,9 @@ class GlideTrainer:
                 epoch_batches = batches(self.train, cfg.tokens_per_batch, rng)
                 shifts = {i: rng.randrange(self.net_cfg.block_size) for i in range(len(self.train))}
             chosen = epoch_batches[self.step % per_epoch]
+            spent = 0.0 if cfg.max_seconds is None else (time.perf_counter() - began) / cfg.max_seconds
             for group in self.opt.param_groups:
-                group["lr"] = self.lr_at(self.step)
+                group["lr"] = self.lr_at(self.step, spent)
             self.net.train()
             loss = self.loss([self.train[i] for i in chosen], [shifts[i] for i in chosen])
             self.opt.zero_grad(set_to_none=True)
