@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from llm_worker.model.artifacts import Tap
 from llm_worker.model.target import ForwardCall, ForwardOutput, KVBuffers, SequenceState, TargetModel
 from llm_worker.planner import ALONE, BatchLoad
 from llm_worker.types import ArtifactNeeds
@@ -337,6 +338,10 @@ class BatchSession(TargetModel):
 
     def kv_buffers(self, state: SequenceState, layer: int) -> KVBuffers | None:
         return self.inner.kv_buffers(state, layer)
+
+    @property
+    def taps(self) -> frozenset[Tap]:
+        return self.inner.taps
 
     @property
     def supports_queries(self) -> bool:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,13 +26,14 @@ from llm_worker.config import DEFAULT_MODE, EngineConfig, SamplingParams
 from llm_worker.costs import CurveCheck, measure_curve_and_cache
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
 from llm_worker.logits import argmax
+from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import ALONE, BatchLoad, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.results import GenerationResult, Provenance
 from llm_worker.sampling import SamplingNoise, warp_logits
 from llm_worker.speculation import Pricer, SpeculationPolicy
 from llm_worker.stats import GenerationStats
-from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftTree
+from llm_worker.types import NO_SOURCE, ArtifactKey, ArtifactNeeds, Draft, DraftTree
 from llm_worker.verify.steps import decider, verification_for
 
 NO_BUDGET = DraftBudget(0, 0)
@@ -77,57 +78,43 @@ class StepOutput:
 
 
 class _Artifacts:
-    """Hidden states and last-position queries kept for a drafter, for committed positions."""
+    """The artifacts a drafter declared (``llm_worker.model.artifacts``): those the forwards
+    record, kept here for committed positions, and the rest read from the target when asked."""
 
     def __init__(self, target: TargetModel, state: SequenceState, needs: ArtifactNeeds) -> None:
         self.target, self.state, self.needs = target, state, needs
         self.device = torch.device(target.info.device)  # where every buffer here lives
         self.length = 0
-        self.hidden_buf: dict[int, torch.Tensor] = {}  # layer -> [capacity, hidden_size]
-        self.queries: dict[tuple[int, int], torch.Tensor] = {}  # (layer, head) -> [head_dim]
+        self.recordings = ARTIFACTS.recordings(needs)
+        self.buffers: dict[ArtifactKey[Any], torch.Tensor] = {}  # key -> [capacity, ...]
+        self.last: dict[ArtifactKey[Any], torch.Tensor] = {}  # key -> [...] (kinds kept last)
 
     def record(self, out: ForwardOutput, rows: list[int]) -> None:
-        if self.needs.empty:
+        if not self.recordings:
             return
         index = torch.tensor(rows, device=out.logits.device)
         m = len(rows)
-        for layer in self.needs.hidden_layers:
-            values = out.hidden[layer].index_select(0, index)
-            buf = self.hidden_buf.get(layer)
+        for rec in self.recordings:
+            if rec.keep_last:
+                self.last[rec.key] = out.artifacts[rec.key][rows[-1]]
+                continue
+            values = out.artifacts[rec.key].index_select(0, index)
+            buf = self.buffers.get(rec.key)
             if buf is None or buf.shape[0] < self.length + m:
                 capacity = max(2 * self.length + m, 1024)
-                grown = torch.empty(capacity, values.shape[-1], dtype=values.dtype, device=self.device)
+                grown = torch.empty(capacity, *values.shape[1:], dtype=values.dtype, device=self.device)
                 if buf is not None:
                     grown[: self.length] = buf[: self.length]
-                buf = self.hidden_buf[layer] = grown
+                buf = self.buffers[rec.key] = grown
             buf[self.length : self.length + m] = values
-        for key in self.needs.query_heads:
-            self.queries[key] = out.queries[key][rows[-1]]
         self.length += m
 
-    def hidden(self, layer: int) -> torch.Tensor:
-        return self.hidden_buf[layer][: self.length]
+    def recorded(self, key: ArtifactKey[Any]) -> torch.Tensor:
+        last = self.last.get(key)
+        return last if last is not None else self.buffers[key][: self.length]
 
-    def attention(self) -> torch.Tensor:
-        """[heads, length]: softmax attention of each needed head from the last cached position."""
-        info = self.target.info
-        group = info.num_heads // info.num_kv_heads
-        scale = 1.0 / math.sqrt(info.head_dim)
-        rows = []
-        by_layer: dict[int, list[int]] = {}
-        for layer, head in self.needs.query_heads:
-            by_layer.setdefault(layer, []).append(head)
-        scores: dict[tuple[int, int], torch.Tensor] = {}
-        for layer, heads in by_layer.items():
-            keys = self.target.keys(self.state, layer)  # [kv_heads, length, head_dim]
-            q = torch.stack([self.queries[(layer, h)] for h in heads])  # [m, head_dim]
-            k = keys[torch.tensor([h // group for h in heads], device=self.device)]  # [m, length, head_dim]
-            logits = torch.einsum("md,mld->ml", q.float(), k.float()) * scale
-            for h, row in zip(heads, torch.softmax(logits, dim=-1), strict=True):
-                scores[(layer, h)] = row
-        for key in self.needs.query_heads:
-            rows.append(scores[key])
-        return torch.stack(rows)
+    def read(self, key: ArtifactKey[Any]) -> Any:
+        return ARTIFACTS.read(self, key)
 
     def draft_context(
         self,
@@ -138,17 +125,13 @@ class _Artifacts:
         sampling: SamplingParams,
         noise: SamplingNoise,
     ) -> DraftContext:
-        """What a drafter may read this step: the committed ``tokens`` ([T]), and views of the
-        artifacts it needs (kept here, or the target's cache)."""
-        needs, target, state = self.needs, self.target, self.state
+        """What a drafter may read this step: the committed ``tokens`` ([T]), and the artifacts
+        it declared (kept here, or read from the target)."""
         return DraftContext(
             tokens,
             budget,
-            hidden=self.hidden if needs.hidden_layers else None,
-            attention=self.attention if needs.query_heads else None,
+            self.read,
             request_state=request_state,
-            kv=(lambda layer: target.kv(state, layer)) if needs.kv_layers else None,
-            kv_buffers=(lambda layer: target.kv_buffers(state, layer)) if needs.kv_layers else None,
             verify_seconds=price,
             sampling=sampling,
             noise=noise,

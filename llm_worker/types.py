@@ -14,11 +14,16 @@ Terms used throughout:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from llm_worker.model.target import KVBuffers
 
 NO_SOURCE = -1
 
@@ -266,21 +271,106 @@ class VerifyResult:
         return len(self.accepted)
 
 
+T = TypeVar("T")
+
+HIDDEN = "hidden"
+QUERY = "query"
+ATTENTION = "attention"
+KV = "kv"
+KV_BUFFERS = "kv_buffers"
+"""The built-in kinds of artifact (``llm_worker.model.artifacts`` says how each is made)."""
+
+
+@dataclass(frozen=True)
+class ArtifactKey(Generic[T]):
+    """One model artifact a drafter reads, by kind and the integers that pick it; ``T`` is the
+    type ``DraftContext.artifact`` returns for it.
+
+    Example: ``ArtifactKey[torch.Tensor]("hidden", (12,))`` is layer 12's hidden state at every
+    committed position, [T-1, hidden_size]; its kind (``"hidden"``) is registered in
+    ``llm_worker.model.artifacts.ARTIFACTS``, which says how a backend makes it.
+    """
+
+    kind: str
+    args: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.kind}({', '.join(str(a) for a in self.args)})"
+
+
+def hidden_key(layer: int) -> ArtifactKey[torch.Tensor]:
+    """Layer ``layer``'s output hidden state: [T-1, hidden_size]."""
+    return ArtifactKey(HIDDEN, (layer,))
+
+
+def query_key(layer: int, head: int) -> ArtifactKey[torch.Tensor]:
+    """The post-RoPE query of (``layer``, ``head``) at the last position with a KV entry: [head_dim]."""
+    return ArtifactKey(QUERY, (layer, head))
+
+
+ATTENTION_KEY: ArtifactKey[torch.Tensor] = ArtifactKey(ATTENTION)
+"""[num_query_heads, T-1]: attention of each ``query_heads`` head from position T-2 over 0 .. T-2."""
+
+
+def kv_key(layer: int) -> ArtifactKey[tuple[torch.Tensor, torch.Tensor]]:
+    """``layer``'s cached keys (after RoPE) and values, each [num_kv_heads, T-1, head_dim]."""
+    return ArtifactKey(KV, (layer,))
+
+
+def kv_buffers_key(layer: int) -> ArtifactKey[KVBuffers | None]:
+    """``layer``'s whole cache buffers and the request's slot (None where the backend has none)."""
+    return ArtifactKey(KV_BUFFERS, (layer,))
+
+
+class UndeclaredArtifactError(KeyError):
+    """A drafter read an artifact its ``needs`` did not declare."""
+
+    def __init__(self, key: ArtifactKey[Any], declared: Iterable[ArtifactKey[Any]] = ()) -> None:
+        names = ", ".join(sorted(str(k) for k in declared)) or "none"
+        super().__init__(f"artifact {key} is not among the drafter's needs (declared: {names})")
+        self.key = key
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ArtifactUnavailableError(ValueError):
+    """An artifact of a kind nobody registered, or one the backend's forward cannot produce."""
+
+
 @dataclass(frozen=True)
 class ArtifactNeeds:
-    """Model artifacts a drafter reads, beyond the committed tokens.
+    """Model artifacts a drafter reads, beyond the committed tokens (``DraftContext.artifact``).
 
     ``hidden_layers``: layer l's output hidden state (0 = embeddings, l = after decoder layer l)
     at every committed position. ``query_heads``: the post-RoPE query of (layer, head) at the
     last position that has a KV entry, to score attention over the context. ``kv_layers``: the
     target's live KV cache of these layers (read in place, never copied or recorded).
+    ``extra``: artifacts of any other registered kind (``llm_worker.model.artifacts``), so that a
+    new one needs no field here.
     """
 
     hidden_layers: frozenset[int] = frozenset()
     query_heads: tuple[tuple[int, int], ...] = ()
     kv_layers: frozenset[int] = frozenset()
+    extra: frozenset[ArtifactKey[Any]] = frozenset()
 
-    @property
-    def empty(self) -> bool:
-        """Nothing to record per forward (the KV cache is read where it lives)."""
-        return not self.hidden_layers and not self.query_heads
+    @cached_property
+    def query_keys(self) -> tuple[ArtifactKey[torch.Tensor], ...]:
+        """``query_heads`` as keys, in their order."""
+        return tuple(query_key(layer, head) for layer, head in self.query_heads)
+
+    @cached_property
+    def keys(self) -> tuple[ArtifactKey[Any], ...]:
+        """Every artifact declared, by key: the fields' (hidden layers ascending, query heads and
+        attention, the KV cache and its buffers), then ``extra`` sorted by name."""
+        keys: list[ArtifactKey[Any]] = [hidden_key(layer) for layer in sorted(self.hidden_layers)]
+        if self.query_heads:
+            keys += [*self.query_keys, ATTENTION_KEY]
+        for layer in sorted(self.kv_layers):
+            keys += [kv_key(layer), kv_buffers_key(layer)]
+        return (*keys, *sorted(self.extra, key=str))
+
+    @cached_property
+    def declared(self) -> frozenset[ArtifactKey[Any]]:
+        return frozenset(self.keys)

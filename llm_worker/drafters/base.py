@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,11 +23,31 @@ import torch
 from datastore_svc.cache import QueryCache, StatsCache
 from datastore_svc.protocols import Datastore
 from llm_worker.config import SamplingParams
+from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.sampling import SamplingNoise
-from llm_worker.types import ArtifactNeeds, Draft, DraftTree, VerifyResult
+from llm_worker.types import (
+    ATTENTION,
+    ATTENTION_KEY,
+    HIDDEN,
+    KV,
+    KV_BUFFERS,
+    ArtifactKey,
+    ArtifactNeeds,
+    ArtifactUnavailableError,
+    Draft,
+    DraftTree,
+    UndeclaredArtifactError,
+    VerifyResult,
+    hidden_key,
+    kv_buffers_key,
+    kv_key,
+)
 
 if TYPE_CHECKING:
     from llm_worker.model.target import KVBuffers, TargetModel
+
+
+T = TypeVar("T")
 
 
 class UnknownModeError(ValueError):
@@ -38,12 +58,19 @@ class ModeUnavailableError(ValueError):
     """A known mode that cannot run on this model (e.g. no induction-head file)."""
 
 
+ArtifactReader = Callable[[ArtifactKey[Any]], Any]
+"""Reads an artifact by key (the engine's: ``llm_worker.model.artifacts.ARTIFACTS.read``)."""
+
+
 class DraftContext:
     """What a drafter may read when it proposes.
 
     ``tokens``: [T] the committed sequence (prompt + generated); its last token, the root, has
     no KV entry yet, so artifacts exist for positions 0 .. T-2 only.
     ``budget``: the most draft tokens worth proposing this step.
+    ``artifacts``: reads the artifacts the drafter declared in its ``needs``, by key
+    (``artifact``); ``hidden``, ``attention``, ``kv`` and ``kv_buffers`` answer their built-in
+    kind's keys instead, for a context built by hand (tests, replays).
     ``request_state``: what lives as long as the request (``RequestState``).
     ``sampling`` / ``noise``: the request's sampling parameters and its position-coupled noise,
     for a drafter that samples its draft: the token at sequence position ``len(tokens) + d - 1``
@@ -54,51 +81,67 @@ class DraftContext:
         self,
         tokens: np.ndarray,
         budget: int,
-        hidden: Callable[[int], torch.Tensor] | None = None,
-        attention: Callable[[], torch.Tensor] | None = None,
+        artifacts: ArtifactReader | None = None,
+        *,
         request_state: RequestState | None = None,
-        kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
         sampling: SamplingParams | None = None,
         noise: SamplingNoise | None = None,
-        kv_buffers: Callable[[int], KVBuffers | None] | None = None,
         verify_seconds: Callable[[int], float] | None = None,
+        hidden: Callable[[int], torch.Tensor] | None = None,
+        attention: Callable[[], torch.Tensor] | None = None,
+        kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        kv_buffers: Callable[[int], KVBuffers | None] | None = None,
     ) -> None:
         self.tokens = tokens  # [T] int64
         self.budget = budget
         self.request_state = RequestState() if request_state is None else request_state
         self.sampling = sampling or SamplingParams()
         self.noise = noise
-        self._hidden = hidden
-        self._attention = attention
-        self._kv = kv
-        self._kv_buffers = kv_buffers
+        self._artifacts = artifacts
+        self._by_kind: dict[str, ArtifactReader] = {}  # the hand-built context's readers
+        if hidden is not None:
+            self._by_kind[HIDDEN] = lambda key: hidden(key.args[0])
+        if attention is not None:
+            self._by_kind[ATTENTION] = lambda key: attention()
+        if kv is not None:
+            self._by_kind[KV] = lambda key: kv(key.args[0])
+        if kv_buffers is not None:
+            self._by_kind[KV_BUFFERS] = lambda key: kv_buffers(key.args[0])
         self.verify_seconds = verify_seconds
         """The planner's price of this step's forward with n draft tokens (seconds; n = 0: the
         root alone), where a drafter weighs its own time against what a token saves."""
 
+    def artifact(self, key: ArtifactKey[T]) -> T:
+        """``key``'s value at this step, as its kind defines it (``llm_worker.model.artifacts``):
+        ``UndeclaredArtifactError`` (a ``KeyError``) naming the key where the drafter's ``needs``
+        did not declare it. Example: ``ctx.artifact(hidden_key(12))`` → [T-1, hidden_size]."""
+        reader = self._by_kind.get(key.kind, self._artifacts)
+        if reader is None:
+            raise UndeclaredArtifactError(key)
+        value: T = reader(key)
+        return value
+
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's cached keys (after RoPE) and values of ``layer`` at positions 0 .. T-2,
         each [num_kv_heads, T-1, head_dim]: views of the live cache, read-only."""
-        if self._kv is None:
-            raise RuntimeError("this drafter did not ask for the KV cache")
-        return self._kv(layer)
+        return self.artifact(kv_key(layer))
 
     def kv_buffers(self, layer: int) -> KVBuffers | None:
         """``layer``'s whole cache buffers and the request's slot (committed positions 0 .. T-2),
-        for kernels that read the cache in place; None where the backend has none."""
-        return self._kv_buffers(layer) if self._kv_buffers is not None else None
+        for kernels that read the cache in place; None where the backend has none (or the
+        drafter did not declare the KV cache)."""
+        try:
+            return self.artifact(kv_buffers_key(layer))
+        except UndeclaredArtifactError:
+            return None
 
     def hidden(self, layer: int) -> torch.Tensor:
         """[T-1, hidden_size]: layer ``layer``'s hidden state at positions 0 .. T-2."""
-        if self._hidden is None:
-            raise RuntimeError("this drafter did not ask for hidden states")
-        return self._hidden(layer)
+        return self.artifact(hidden_key(layer))
 
     def attention(self) -> torch.Tensor:
         """[num_query_heads, T-1]: attention of each requested head from position T-2 over 0 .. T-2."""
-        if self._attention is None:
-            raise RuntimeError("this drafter did not ask for attention")
-        return self._attention()
+        return self.artifact(ATTENTION_KEY)
 
 
 class Drafter(ABC):
@@ -247,6 +290,10 @@ class DrafterRegistry:
             )
         drafter = spec.factory(target, options, resources or DraftResources())
         drafter.name = name
+        try:
+            ARTIFACTS.published(target, drafter.needs)
+        except ArtifactUnavailableError as exc:
+            raise ModeUnavailableError(f"mode {name!r} reads {exc}") from None
         return drafter
 
     def available(self, target: TargetModel, resources: DraftResources | None = None) -> list[str]:

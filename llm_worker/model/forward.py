@@ -10,10 +10,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from llm_worker.model.artifacts import ARTIFACTS, Recording, Tap
 from llm_worker.model.kernels import Linear
 from llm_worker.model.kv_pool import GROW, KVPool, KVState
 from llm_worker.model.ops import CallRows, Ops
@@ -25,7 +28,7 @@ from llm_worker.model.target import (
     TargetInfo,
     TargetModel,
 )
-from llm_worker.types import ArtifactNeeds
+from llm_worker.types import ArtifactKey, ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
 
 
@@ -198,49 +201,56 @@ class Forward(TargetModel):
         h = self.embed(tokens.to(self.device))  # [total, hidden]
         if pad:
             h = F.pad(h, (0, 0, 0, pad))  # [total + pad, hidden]
-        outs = Outputs(calls, [p.rows for p in placed])
-        outs.keep_hidden(0, h)
+        outs = Outputs(calls, [p.rows for p in placed], self)
+        outs.state(0, h)
         h, x = ops.norm(h, None, self.layers[0].ln_attn, eps)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             q = ops.rope_store(layout, index, layer.qkv(x), cos, sin)  # [total, heads, d]
-            outs.keep_queries(index, q)
+            outs.tap("query", index, q)
             h, x = ops.norm(h, layer.o(ops.attention(layout, index, q)), layer.ln_mlp, eps)
             down = layer.down(ops.activation(layer.gate_up(x)))
             if index < last:
                 h, x = ops.norm(h, down, self.layers[index + 1].ln_attn, eps)
-                outs.keep_hidden(index + 1, h)
+                outs.state(index + 1, h)
             else:  # the final norm over the real rows (each row's numbers are its own)
                 h, x = ops.norm(h[:total], down[:total], self.norm, eps)
-        outs.keep_hidden(len(self.layers), x)  # the last layer's state after the final norm
+        outs.tap("residual", len(self.layers), h)  # the last layer's output before the final norm
+        outs.tap("hidden", len(self.layers), x)  # and after it
         return outs.with_logits(ops, self.lm_head, x)
+
+    @cached_property
+    def taps(self) -> frozenset[Tap]:
+        top = len(self.layers)
+        states = {(name, i) for name in ("hidden", "residual") for i in range(top + 1)}
+        return frozenset(states | {("query", i) for i in range(top)})
 
 
 class Outputs:
     """The outputs of a forward over several calls (``spans``: each call's rows), filled in as the
-    layers run: hidden states and queries each call asked for, then logits."""
+    layers run: the artifacts each call's needs record, taken at the forward's taps
+    (``llm_worker.model.artifacts``), then logits."""
 
-    def __init__(self, calls: Sequence[ForwardCall], spans: Sequence[slice]) -> None:
+    def __init__(self, calls: Sequence[ForwardCall], spans: Sequence[slice], target: TargetModel) -> None:
         self.calls, self.spans = calls, spans
         self.outs = [ForwardOutput(logits=torch.empty(0)) for _ in calls]
-        self.heads: list[dict[int, list[int]]] = []  # per call: layer -> query heads wanted
-        for call in calls:
-            by_layer: dict[int, list[int]] = {}
-            for layer_index, head in call.needs.query_heads:
-                by_layer.setdefault(layer_index, []).append(head)
-            self.heads.append(by_layer)
+        self.wanted: dict[Tap, list[tuple[Recording, slice, dict[ArtifactKey[Any], torch.Tensor]]]] = {}
+        """tap -> what each call records there: how, its rows, where it goes."""
+        for call, span, out in zip(calls, spans, self.outs, strict=True):
+            for rec in ARTIFACTS.published(target, call.needs):
+                self.wanted.setdefault(rec.tap, []).append((rec, span, out.artifacts))
 
-    def keep_hidden(self, layer: int, h: torch.Tensor) -> None:
-        """h [rows, hidden]: the state entering ``layer`` (after the final norm for the last)."""
-        for call, span, out in zip(self.calls, self.spans, self.outs, strict=True):
-            if layer in call.needs.hidden_layers:
-                out.hidden[layer] = h[span]
+    def tap(self, name: str, layer: int, value: torch.Tensor) -> None:
+        """value [rows, ...]: the forward at tap (``name``, ``layer``), for the calls recording it."""
+        if not self.wanted:
+            return
+        for rec, span, artifacts in self.wanted.get((name, layer), ()):
+            artifacts[rec.key] = rec.select(rec.key, value, span)
 
-    def keep_queries(self, layer: int, q: torch.Tensor) -> None:
-        """q [rows, heads, d]: ``layer``'s post-RoPE queries."""
-        for span, out, by_layer in zip(self.spans, self.outs, self.heads, strict=True):
-            for head in by_layer.get(layer, ()):
-                out.queries[(layer, head)] = q[span, head]
+    def state(self, layer: int, h: torch.Tensor) -> None:
+        """h [rows, hidden]: the residual stream entering ``layer`` (< L), which is its hidden state."""
+        self.tap("hidden", layer, h)
+        self.tap("residual", layer, h)
 
     def with_logits(self, ops: Ops, lm_head: Linear, h: torch.Tensor) -> list[ForwardOutput]:
         """Logits of h [rows, hidden] (final-normed) for every row of a call, or its last row only

@@ -21,11 +21,13 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 
-from llm_worker.types import ArtifactNeeds
+from llm_worker.model.artifacts import ARTIFACTS, Tap
+from llm_worker.types import HIDDEN, QUERY, ArtifactKey, ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers, tree_buffers
 
 
@@ -47,32 +49,39 @@ class TargetInfo:
     weights_id: str = ""  # identifies the weights whatever dtype they were loaded in (dense keys)
 
 
+class _ByKind:
+    """The built-in kinds of a forward's ``artifacts`` under their old names (tests, calibration)."""
+
+    artifacts: dict[ArtifactKey[Any], torch.Tensor]
+
+    @property
+    def hidden(self) -> dict[int, torch.Tensor]:
+        """layer -> the ``hidden_layers`` artifact."""
+        return {key.args[0]: v for key, v in self.artifacts.items() if key.kind == HIDDEN}
+
+    @property
+    def queries(self) -> dict[tuple[int, int], torch.Tensor]:
+        """(layer, head) -> the ``query_heads`` artifact."""
+        return {(key.args[0], key.args[1]): v for key, v in self.artifacts.items() if key.kind == QUERY}
+
+
 @dataclass
-class ForwardOutput:
+class ForwardOutput(_ByKind):
     logits: torch.Tensor  # [n, vocab] float32
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, hidden_size]
-    queries: dict[tuple[int, int], torch.Tensor] = field(
-        default_factory=dict
-    )  # (layer, head) -> [n, head_dim]
+    artifacts: dict[ArtifactKey[Any], torch.Tensor] = field(default_factory=dict)
+    """What the call's needs record (``llm_worker.model.artifacts``), by key: [n, ...] a value per row."""
 
 
 @dataclass
-class BatchForwardOutput:
+class BatchForwardOutput(_ByKind):
     """A batched forward's output: row r is the root, then draft row r (padded to L)."""
 
     logits: torch.Tensor  # [D, 1 + L, vocab] float32; columns past a row's length are padding
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [D, 1 + L, hidden_size]
-    queries: dict[tuple[int, int], torch.Tensor] = field(
-        default_factory=dict
-    )  # (layer, head) -> [D, 1 + L, head_dim]
+    artifacts: dict[ArtifactKey[Any], torch.Tensor] = field(default_factory=dict)  # key -> [D, 1 + L, ...]
 
     def row(self, r: int) -> ForwardOutput:
         """Row r as a chain forward's output: [1 + L, ...] per field."""
-        return ForwardOutput(
-            self.logits[r],
-            {layer: h[r] for layer, h in self.hidden.items()},
-            {key: q[r] for key, q in self.queries.items()},
-        )
+        return ForwardOutput(self.logits[r], {key: v[r] for key, v in self.artifacts.items()})
 
 
 @dataclass
@@ -175,11 +184,7 @@ class TargetModel(ABC):
             batch_rows.append(rows)
         out = self.forward(state, torch.tensor(flat), tree_buffers(tuple(parents)), needs)
         state.batch_rows = batch_rows
-        return BatchForwardOutput(
-            out.logits[index],
-            {layer: h[index] for layer, h in out.hidden.items()},
-            {key: q[index] for key, q in out.queries.items()},
-        )
+        return BatchForwardOutput(out.logits[index], {key: v[index] for key, v in out.artifacts.items()})
 
     def commit_batch(self, state: SequenceState, row: int, count: int) -> None:
         """Keep columns 0 .. count - 1 (the root and count - 1 draft tokens) of batch row ``row``."""
@@ -207,6 +212,11 @@ class TargetModel(ABC):
         """``layer``'s cache as whole contiguous buffers and the request's slot in them, where the
         backend keeps it so (the fast backend); None elsewhere (read ``kv`` then)."""
         return None
+
+    @property
+    def taps(self) -> frozenset[Tap]:
+        """The points at which its forward hands out tensors for artifacts (``artifacts``)."""
+        return frozenset()
 
     @property
     def supports_queries(self) -> bool:
@@ -293,7 +303,9 @@ class HFTarget(TargetModel):
     """Any transformers causal LM, through its own forward and ``DynamicCache``.
 
     Trees use a 4D boolean attention mask, which transformers passes through unchanged.
-    Hidden states come from ``output_hidden_states``; per-head queries are not available.
+    Its taps are the hidden states of ``output_hidden_states`` (the residual stream below the
+    last layer); per-head queries and the last layer's state before the final norm are not
+    available.
 
     Batches of drafts take the default ``forward_batch``: the equivalent tree forward of the
     unmerged rows, not a batched forward. A real batch would need the ``DynamicCache`` repeated
@@ -326,8 +338,7 @@ class HFTarget(TargetModel):
         last_logits_only: bool = False,
     ) -> ForwardOutput:
         assert isinstance(state, _HFState)
-        if needs.query_heads:
-            raise NotImplementedError("per-head queries need the fast (Llama-family) backend")
+        recordings = ARTIFACTS.published(self, needs)
         if state.pending:
             self.commit(state, [])
         n = int(tokens.shape[0])
@@ -351,16 +362,19 @@ class HFTarget(TargetModel):
             position_ids=positions,
             past_key_values=state.cache,
             use_cache=True,
-            output_hidden_states=bool(needs.hidden_layers),
+            output_hidden_states=bool(recordings),  # every tap here is a hidden state
             logits_to_keep=1 if last_logits_only else 0,
             **kwargs,
         )
         state.pending = n
-        hidden = {}
-        if needs.hidden_layers:
-            for layer in needs.hidden_layers:
-                hidden[layer] = out.hidden_states[layer][0]
-        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
+        rows = slice(None)
+        artifacts = {r.key: r.select(r.key, out.hidden_states[r.tap[1]][0], rows) for r in recordings}
+        return ForwardOutput(out.logits[0].float(), artifacts)
+
+    @cached_property
+    def taps(self) -> frozenset[Tap]:
+        top = self.info.num_layers
+        return frozenset({("hidden", i) for i in range(top + 1)} | {("residual", i) for i in range(top)})
 
     def kv(self, state: SequenceState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(state, _HFState)
