@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import random
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from llm_worker.drafters.edd_net import (
     random_block_starts,
 )
 from llm_worker.drafters.glide_net import rope_tables
+from llm_worker.training.trainer import batches, warmup_cosine
 from specdraft.common import atomic_path, atomic_write_text, sha256_file
 
 
@@ -181,25 +181,6 @@ class EddReport:
     losses: list[float] = field(default_factory=list)
 
 
-def batches(examples: list[EddExample], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
-    """Indices of ``examples`` packed into batches (similar lengths together, order shuffled)."""
-    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), rng.random()))
-    out: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        n = len(examples[i].tokens)
-        if current and max(longest, n) * (len(current) + 1) > tokens_per_batch:
-            out.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        out.append(current)
-    rng.shuffle(out)
-    return out
-
-
 class EddTrainer:
     """Owns the network, the frozen target pieces (embeddings, head rows, RoPE) and the data."""
 
@@ -296,11 +277,7 @@ class EddTrainer:
         return [round(float(h / s), 4) if s else 0.0 for h, s in zip(hits, seen, strict=True)]
 
     def lr_at(self, step: int) -> float:
-        warm = max(1, int(self.cfg.steps * self.cfg.warmup_fraction))
-        if step < warm:
-            return self.cfg.lr * (step + 1) / warm
-        done = (step - warm) / max(1, self.cfg.steps - warm)
-        return self.cfg.lr * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+        return warmup_cosine(self.cfg.lr, self.cfg.steps, self.cfg.warmup_fraction, step)
 
     def _settings(self) -> dict[str, Any]:
         """What a resumed run must share with the one that saved (steps may grow)."""

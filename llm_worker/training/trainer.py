@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -102,7 +102,25 @@ def with_labels(seqs: list[Sequence_], head: torch.Tensor) -> list[Example]:
     return out
 
 
-def batches(examples: list[Example], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
+def warmup_cosine(
+    lr: float, steps: int, warmup_fraction: float, step: int, time_fraction: float = 0.0
+) -> float:
+    """Linear warm-up, then cosine decay to 0 by the last step, or by the time limit
+    (``time_fraction``: the share of the time limit spent) if that comes first."""
+    warm = max(1, int(warmup_fraction * steps))
+    if step < warm:
+        return lr * (step + 1) / warm
+    frac = max((step - warm) / max(1, steps - warm), time_fraction)
+    return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+class HasTokens(Protocol):
+    """A training sequence as batching sees it."""
+
+    tokens: torch.Tensor
+
+
+def batches(examples: Sequence[HasTokens], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
     """Indices of ``examples`` packed into batches (similar lengths together, order shuffled)."""
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), rng.random()))
     out: list[list[int]] = []
@@ -256,13 +274,7 @@ class GlideTrainer:
     # -- the loop -----------------------------------------------------------------------------
 
     def lr_at(self, step: int, time_fraction: float = 0.0) -> float:
-        """Linear warm-up, then cosine decay to 0 by the last step, or by the time limit
-        (``time_fraction``: the share of ``max_seconds`` spent) if that comes first."""
-        warm = max(1, int(self.cfg.warmup_fraction * self.cfg.steps))
-        if step < warm:
-            return self.cfg.lr * (step + 1) / warm
-        frac = max((step - warm) / max(1, self.cfg.steps - warm), time_fraction)
-        return self.cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+        return warmup_cosine(self.cfg.lr, self.cfg.steps, self.cfg.warmup_fraction, step, time_fraction)
 
     def save_state(self, path: Path) -> None:
         with atomic_path(path) as tmp:
