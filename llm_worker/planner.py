@@ -1,22 +1,30 @@
-"""Sizing drafts by expected tokens per second.
+"""Sizing drafts by expected tokens per second: what the planner keeps of a draft that exists.
 
 Two measured inputs:
 
 - the verify cost curve t(n, L): seconds for one target forward of n new tokens after L cached
-  ones, measured on this machine at start-up (and cached per model, dtype, device, threads, when
-  measured quietly) and checked against the forwards the engine times (``llm_worker.costs``,
-  re-exported here);
-- the acceptance model: P(node accepted | its parent accepted), learned online per drafter
-  from verification outcomes, keyed by the drafter's feature for the node, the node's depth and
-  the target's confidence in the root token.
+  ones (``llm_worker.costs``: measured on this machine, cached when measured quietly, checked
+  against the forwards the engine times; ``CostCurve`` and its loaders are re-exported here);
+- the acceptance model (``AcceptanceModel``): P(node accepted | its parent accepted), learned
+  online per drafter from verification outcomes, keyed by the drafter's feature for the node, the
+  node's depth and the target's confidence in the root token.
 
 A node's chance to be accepted is the product of those conditional chances along its path, so
 the expected tokens of a step that verifies nodes S is E(S) = 1 + Σ_{v∈S} P(v) (the bonus token
-always comes). The planner keeps the most likely nodes (a prefix of the nodes sorted by P, which
-is a valid subtree because P never grows down a path) and chooses how many to keep by maximising
-E(S) / t(1 + |S|, L). On a GPU, where t is nearly flat, that means long drafts; on this CPU, where
-t(65) ≈ 4·t(1), it means short ones unless the drafter is often right. A batch of drafts is priced
-by the positions its forward computes, t(D·(1 + L)) (``plan_batch``).
+always comes). ``DraftPlanner.plan`` keeps the most likely nodes (a prefix of the nodes sorted by
+P, which is a valid subtree because P never grows down a path) and chooses how many to keep by
+maximising E(S) / t(1 + |S|, L): where t is nearly flat (a GPU) that means long drafts, where it
+grows steeply with n (a CPU) short ones unless the drafter is often right. ``plan_batch`` prices
+a batch of drafts by the positions its forward computes, t(D·(1 + L)). Both stay within the
+step's ``DraftBudget`` (the planner's cap, the curve's measured range, the request's budget and
+the tokens left) and, under continuous batching, price the whole forward the draft joins
+(``BatchLoad``: the other requests' rows and tokens, the excess of the last shared forward over
+the curve, the request's drafting time).
+
+Whether a step drafts at all is decided before a drafter spends, by the request's speculation
+policy (``llm_worker.speculation``); the draft gate it asks (``DraftGate``: per confidence
+bucket, what drafting earned and spent) lives in the planner, one per drafter and kind of
+sampling, beside the acceptance model it complements.
 """
 
 from __future__ import annotations
@@ -338,8 +346,8 @@ class DraftPlanner:
         batch never costs more than that tree would, and its draft tokens never exceed the budget.
         ``max_depth`` (``DraftBudget.depth``) cuts every row first: tokens past it cannot be output.
 
-        The price assumes a real batched forward (the fast backend). A backend on the default
-        ``forward_batch`` runs the rows as a tree of 1 + Σ lengths positions, cheaper: there the
+        The price assumes a real batched forward. The backends run the rows as their equivalent
+        tree (the default ``TargetModel.forward_batch``) of 1 + Σ lengths positions, cheaper: the
         plan is conservative, and ``rest`` (the same candidates as a merged tree) is the better mode.
 
         Example: rows (5, 6, 7) and (5, 8), every node P = 0.9·parent: S = {5} is one row of

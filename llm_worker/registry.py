@@ -1,13 +1,19 @@
 """The worker registry: which workers serve which modes, with a TTL and heartbeats.
 
-Each worker writes one record, ``{namespace}:workers:{worker_id}`` → JSON, with a TTL, and
-refreshes it every ``ttl / 3`` seconds with its current load; it deletes it on shutdown. A
-worker that dies stops refreshing and disappears when its TTL runs out. Discovery scans the
-records and keeps the workers that serve the mode asked for, least loaded first.
+Each worker's server (``llm_worker.server``) writes one record, ``{namespace}:workers:{worker_id}``
+→ JSON (``WorkerRecord``: address, model, modes, load and capacity), with a TTL, refreshes it
+every ``ttl / 3`` seconds with its current load, and deletes it when it drains. A worker that
+dies stops refreshing and disappears when its TTL runs out. Discovery (``discover``) scans the
+records and keeps the workers that serve the mode asked for (options after ``:`` ignored), least
+loaded first (load / capacity).
 
-Redis is a cache, never a dependency of serving: without a URL the registry lives in the
-process, and a Redis that goes down costs discovery, not generation. This module is part of
-the client package because clients discover workers through it; it imports nothing of ours.
+Redis is a cache, never a dependency of serving: without a URL (or with ``memory://``) the
+registry lives in the process with the same TTL semantics; a Redis that goes down costs
+discovery, not generation (a failed heartbeat is logged and tried again at the next one).
+It sits in ``llm_worker`` because workers publish through it; clients (``specdraft generate
+--registry``) import it from the layer above. Of ours it imports only ``specdraft.redisconn``
+(``redis://`` or ``rediss://`` URLs checked, the password from ``$SPECDRAFT_REDIS_PASSWORD``
+where the URL names none, URLs redacted in logs).
 """
 
 from __future__ import annotations

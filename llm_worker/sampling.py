@@ -64,7 +64,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     ids = torch.nonzero(probs >= probs.max() * _NUCLEUS_SPAN).squeeze(1)  # a top set, ids ascending
     head = _sorted_head(probs, ids, top_p)
     if head is None:
-        head = _sorted_head(probs, torch.arange(probs.numel()), top_p)
+        head = _sorted_head(probs, torch.arange(probs.numel(), device=probs.device), top_p)
     assert head is not None
     return head
 
@@ -124,7 +124,7 @@ class SamplingNoise:
         """The token sampled at ``position`` from probs: [vocab] (or, with ``ids`` [n] the
         vocabulary ids of probs' n entries — a drafter's reduced vocabulary —, the index into
         probs whose token wins the same race)."""
-        noise = self.exponentials(position)
+        noise = self.exponentials(position).to(probs.device)  # drawn on the host, used beside probs
         if ids is not None:
             noise = noise[ids]
         return int((probs.double() / noise).argmax())

@@ -213,12 +213,11 @@ class DraftBatch:
         """L: the longest row."""
         return max((len(row) for row in self.rows), default=0)
 
-    def padded(self, pad: int) -> torch.Tensor:
-        """[D, L] long: the rows, right-padded with ``pad``."""
-        out = torch.full((self.num_rows, self.max_length), int(pad), dtype=torch.long)
-        for r, row in enumerate(self.rows):
-            out[r, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return out
+    def padded(self, pad: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[D, L] long on ``device``: the rows, right-padded with ``pad``."""
+        width = self.max_length
+        rows = [[*row, *[int(pad)] * (width - len(row))] for row in self.rows]
+        return torch.tensor(rows, dtype=torch.long, device=device).view(self.num_rows, width)
 
     def trie(self) -> BatchTrie:
         """The rows merged into a draft tree (shared prefixes once), with each node's first row."""

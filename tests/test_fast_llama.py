@@ -7,8 +7,10 @@ import torch
 
 from helpers.models import snap_to_blocks, tiny_model
 from llm_worker.config import ModelConfig
-from llm_worker.model import wrap_model
+from llm_worker.model import native, wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
+from llm_worker.model.ops_cpu import FusedCpuOps
+from llm_worker.model.ops_torch import TorchOps
 from llm_worker.types import ArtifactNeeds
 from llm_worker.verify.tree import tree_buffers
 
@@ -118,3 +120,34 @@ def test_every_kernel_matches_transformers(kernel: str) -> None:
             out = target.forward(state, torch.tensor(ids[lo:hi]), None, NONE)
             target.commit(state, range(hi - lo))
             assert torch.allclose(out.logits, ref[lo:hi], atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [24, 40])  # halves of 12 and 20: RoPE's vectors of 8 split them
+def test_fused_kernels_match_torch_on_heads_whose_half_is_not_whole_vectors(
+    head_dim: int, dtype: torch.dtype
+) -> None:
+    """A tiny Llama whose head_dim is not a multiple of 16: the fused path's logits are the torch
+    path's and transformers' (a prefill, a chain after it, then single tokens)."""
+    if native.load() is None:
+        pytest.skip(f"the fused kernels do not run here: {native.unavailable_reason()}")
+    model = tiny_model("llama", head_dim=head_dim).to(dtype)
+    name = str(dtype).removeprefix("torch.")
+    fused = wrap_model(model, None, ModelConfig(backend="fast", kernel="aten:1", dtype=name))
+    assert isinstance(fused, FastLlamaTarget) and isinstance(fused.ops, FusedCpuOps)
+    plain = FastLlamaTarget(model, fused.info, fused.kernels, fused=False)
+    assert isinstance(plain.ops, TorchOps)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = reference_logits(model, ids)
+    atol = 1e-4 if dtype == torch.float32 else 0.1
+    outs = []
+    for target in (fused, plain):
+        logits = []
+        with torch.inference_mode():
+            state = target.start()
+            for lo, hi in ((0, 30), (30, 34), *((i, i + 1) for i in range(34, 40))):
+                logits.append(target.forward(state, torch.tensor(ids[lo:hi]), None, NONE).logits)
+                target.commit(state, range(hi - lo))
+        outs.append(torch.cat(logits))
+        torch.testing.assert_close(outs[-1], ref, atol=atol, rtol=0)
+    torch.testing.assert_close(outs[0], outs[1], atol=atol, rtol=0)

@@ -127,6 +127,36 @@ def test_rope_store_rotates_and_writes_the_cache(fused: ModuleType, dtype: torch
         fused.rope_store(qkv, cos, sin, q, keys, values, rows, slots, long([7, 8, 30, 31, 64]))
 
 
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [24, 40, 8])  # halves of 12, 20 and 4: not whole vectors of 8
+def test_rope_store_rotates_heads_whose_half_is_not_whole_vectors(
+    fused: ModuleType, head_dim: int, cache_dtype: torch.dtype
+) -> None:
+    """Each half of a head rotates with its own partners up to its last lane, and nothing past a
+    head is read or written: every query and key equals torch's rotation of the same row."""
+    gen = torch.Generator().manual_seed(4)
+    n, heads, kv, d = 3, 3, 1, head_dim
+    qkv = torch.randn(n, (heads + 2 * kv) * d, generator=gen)
+    cos, sin = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    keys = torch.zeros(2, kv, 8, d, dtype=cache_dtype)
+    values = torch.zeros(2, kv, 8, d + 1, dtype=cache_dtype)
+    q = torch.full((n, heads, d), float("nan"))
+    fused.rope_store(qkv, cos, sin, q, keys, values, long([0, 1, 2]), long([1, 1, 0]), long([0, 1, 5]))
+    x = qkv.view(n, heads + 2 * kv, d)
+    swapped = x.view(n, -1, 2, d // 2).flip(2).reshape(n, -1, d)
+    rotated = x * cos[:, None] + swapped * sin[:, None]  # [n, heads + 2 kv, d]
+    torch.testing.assert_close(q, rotated[:, :heads])
+    for r, (slot, at) in enumerate(((1, 0), (1, 1), (0, 5))):
+        want = rotated[r, heads : heads + kv].to(cache_dtype)
+        torch.testing.assert_close(
+            keys[slot, :, at], want, atol=1e-5, rtol=1e-2 if cache_dtype != torch.float32 else 1e-5
+        )
+        assert torch.equal(values[slot, :, at, :d], x[r, heads + kv :].to(cache_dtype))
+        keys[slot, :, at] = 0
+        values[slot, :, at, :d] = 0
+    assert not keys.any() and not values.any()  # nothing else written
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_into_a_bfloat16_cache_rounds_the_float32_keys(
     fused: ModuleType, dtype: torch.dtype

@@ -1,5 +1,6 @@
 """The operations seam under the fast forward (llm_worker/model/ops.py): a new implementation of
-``Ops`` plugs into the forward, and through it into the engine, without editing either."""
+``Ops`` plugs into the forward, and through it into the engine, without editing either; its GEMM
+kernels are its own choice."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 
 from helpers.models import engine_for, greedy_tokens, prompts, tiny_model
 from llm_worker.config import ModelConfig
-from llm_worker.model import native, wrap_model
+from llm_worker.model import kernels, native, wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
-from llm_worker.model.kernels import Kernel, Linear
+from llm_worker.model.kernels import ROLES, Kernel, KernelChoice, KernelReport, Linear, Weights
 from llm_worker.model.ops import OPS, CallRows, Ops, OpsContext, register
 from llm_worker.model.target import ForwardCall
 from llm_worker.types import ArtifactNeeds
@@ -40,6 +41,10 @@ class CountingOps:
 
     def scope(self, own_threads: bool) -> AbstractContextManager[None]:
         return self.inner.scope(own_threads)
+
+    def choose_kernels(self, weights: Weights, requested: str) -> KernelChoice:
+        self.calls["choose_kernels"] += 1
+        return self.inner.choose_kernels(weights, requested)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel) -> Linear:
         self.calls["linear"] += 1
@@ -175,3 +180,72 @@ def test_unknown_or_unrunnable_ops_are_refused() -> None:
         FastLlamaTarget(base.model, base.info, base.kernels, ops="no-such-ops")
     with pytest.raises(ValueError, match="cannot run"):
         FastLlamaTarget(base.model, base.info, base.kernels, ops=lambda ctx: None)
+
+
+class OwnKernelsOps(CountingOps):
+    """A toy that chooses its own GEMM kernels, as a CUDA implementation would: every role on
+    ``aten:4`` whatever was requested, nothing measured."""
+
+    KERNEL = Kernel("aten", 4)
+
+    def choose_kernels(self, weights: Weights, requested: str) -> KernelChoice:
+        self.calls["choose_kernels"] += 1
+        assert set(weights) == set(ROLES) and len(weights["qkv"]) == 2 and len(weights["lm_head"]) == 1
+        return dict.fromkeys(ROLES, self.KERNEL), None
+
+
+def test_a_toy_ops_chooses_its_own_gemm_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for "auto" (``--kernel auto``), the forward runs every GEMM on the kernels the toy
+    chose, without editing the forward: ``kernels``' measurement is never called, and the numbers
+    are those of a forward handed the same kernels."""
+
+    def no_measuring(*args: object, **kw: object) -> KernelReport:
+        raise AssertionError("kernels.py measured for an implementation that chooses its own")
+
+    monkeypatch.setattr(kernels, "load_or_measure_kernels", no_measuring)
+    base = wrap_model(tiny_model("llama", layers=2), None, ModelConfig(backend="fast", kernel="aten:1"))
+    assert isinstance(base, FastLlamaTarget)
+    made: list[OwnKernelsOps] = []
+
+    def own(ctx: OpsContext) -> OwnKernelsOps | None:
+        inner = OPS["torch"](ctx)
+        assert inner is not None
+        made.append(OwnKernelsOps(inner))
+        return made[-1]
+
+    toy = FastLlamaTarget(base.model, base.info, "auto", ops=own)
+    assert made[0].calls["choose_kernels"] == 1
+    assert toy.kernels == dict.fromkeys(ROLES, OwnKernelsOps.KERNEL) and toy.min_rows == 4
+    info = toy.kernel_info()
+    assert info["gemm_kernels"] == dict.fromkeys(ROLES, "aten:4") and "gemm_kernel_candidates" not in info
+    plain = FastLlamaTarget(base.model, base.info, dict.fromkeys(ROLES, OwnKernelsOps.KERNEL), ops="torch")
+    for want, out in zip(run(plain), run(toy), strict=True):
+        assert torch.equal(want.logits, out.logits)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_the_cpu_implementations_choose_by_kernels_measurement(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch and the fused kernels hand "auto" to ``kernels``' cached measurement (for the model's
+    fingerprint, device and dtype), a kernel's name to every role, and refuse oneDNN where its
+    prepacking cannot run."""
+    plain, _, _ = targets(name)
+    asked: list[tuple[object, ...]] = []
+    chosen = {**dict.fromkeys(ROLES, "aten:2"), "lm_head": "aten:1"}
+
+    def measured(*args: object, **kw: object) -> KernelReport:
+        asked.append(args)
+        return KernelReport(dict(chosen))
+
+    monkeypatch.setattr(kernels, "load_or_measure_kernels", measured)
+    auto = FastLlamaTarget(plain.model, plain.info, "auto", ops=name)
+    assert len(asked) == 1 and asked[0][0] == plain.info.fingerprint
+    assert asked[0][2:] == (torch.device("cpu"), torch.float32)
+    assert {role: k.name for role, k in auto.kernels.items()} == chosen
+    assert auto.kernel_info()["gemm_kernel_candidates"]["chosen"] == chosen
+    forced = FastLlamaTarget(plain.model, plain.info, "aten:2", ops=name)
+    assert forced.kernels == dict.fromkeys(ROLES, Kernel("aten", 2)) and len(asked) == 1
+    monkeypatch.setattr(kernels, "onednn_available", lambda device, dtype: False)
+    with pytest.raises(ValueError, match="oneDNN prepacking is not available"):
+        FastLlamaTarget(plain.model, plain.info, "onednn:2", ops=name)

@@ -30,6 +30,17 @@ if TYPE_CHECKING:
 def add_datastore(sub: Any) -> None:
     dsc = sub.add_parser("datastore", help="build, inspect and swap datastore versions")
     dsc_sub = dsc.add_subparsers(dest="action", required=True)
+    _add_build(dsc_sub)
+    _add_generate(dsc_sub)
+    _add_local_corpus(dsc_sub)
+    _add_bench(dsc_sub)
+    _add_eval(dsc_sub)
+    _add_info(dsc_sub)
+    _add_swap(dsc_sub)
+
+
+def _add_build(dsc_sub: Any) -> None:
+    """``datastore build``."""
     bd = dsc_sub.add_parser("build", help="build a new version from a JSONL corpus")
     bd.add_argument("--corpus", help='JSONL of {"text"}, {"prompt","response"} or {"messages"}')
     bd.add_argument("--out", required=True, help="the new version directory (must not exist)")
@@ -55,6 +66,10 @@ def add_datastore(sub: Any) -> None:
     dn.add_argument("--hidden-cache", help="hidden-state cache (default: ~/.cache/specdraft/hidden)")
     dn.add_argument("--redis", help="publish the statistics to this Redis (redis://HOST:PORT)")
     bd.set_defaults(func=cmd_build)
+
+
+def _add_generate(dsc_sub: Any) -> None:
+    """``datastore generate``."""
     dg = dsc_sub.add_parser("generate", help="the model's own answers to prompts, as a corpus (resumable)")
     add_model_args(dg)
     dg.add_argument(
@@ -68,12 +83,20 @@ def add_datastore(sub: Any) -> None:
     dg.add_argument("--limit", type=int, default=0, help="only the first N prompts")
     dg.add_argument("--quiet", action="store_true", help="no progress bar")
     dg.set_defaults(func=cmd_generate)
+
+
+def _add_local_corpus(dsc_sub: Any) -> None:
+    """``datastore local-corpus``."""
     dl = dsc_sub.add_parser("local-corpus", help="a corpus of local text (Python sources, Debian docs)")
     dl.add_argument("--out", required=True)
     dl.add_argument("--max-chars", type=positive_int, default=4_000_000, help="about 4 chars per token")
     dl.add_argument("--questions-out", help="also write Spec-Bench code questions the corpus covers")
     dl.add_argument("--questions", type=positive_int, default=20)
     dl.set_defaults(func=cmd_local_corpus)
+
+
+def _add_bench(dsc_sub: Any) -> None:
+    """``datastore bench``."""
     dbn = dsc_sub.add_parser("bench", help="load time and retrieval latency, in process and over gRPC")
     dbn.add_argument("--datastore", required=True)
     add_model_args(dbn)
@@ -99,6 +122,10 @@ def add_datastore(sub: Any) -> None:
     )
     dbn.add_argument("--json-out")
     dbn.set_defaults(func=cmd_bench)
+
+
+def _add_eval(dsc_sub: Any) -> None:
+    """``datastore eval``."""
     de = dsc_sub.add_parser("eval", help="dense index quality: MRR of the true continuation, recall vs exact")
     de.add_argument("--datastore", required=True, nargs="+", help="dense version(s), compared side by side")
     de.add_argument("--corpus", required=True, help="held-out JSONL (text the versions were not built from)")
@@ -111,10 +138,18 @@ def add_datastore(sub: Any) -> None:
     de.add_argument("--seed", type=int, default=0)
     de.add_argument("--json-out")
     de.set_defaults(func=cmd_evaluate)
+
+
+def _add_info(dsc_sub: Any) -> None:
+    """``datastore info``."""
     di = dsc_sub.add_parser("info", help="check a version (checksums) and print its manifest summary")
     di.add_argument("path")
     di.add_argument("--no-verify", action="store_true", help="skip the checksums")
     di.set_defaults(func=cmd_info)
+
+
+def _add_swap(dsc_sub: Any) -> None:
+    """``datastore swap``."""
     dw = dsc_sub.add_parser(
         "swap",
         help="make every shard load a version and switch to it (two phases; all shards or none)",

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 
 from llm_worker.config import ModelConfig
-from llm_worker.model import fast_llama, kernels
+from llm_worker.model import fast_llama
 from llm_worker.model.fast_llama import FastLlamaTarget
-from llm_worker.model.kernels import Kernel
 from llm_worker.model.loading import MARKER, resolve_model_dir, torch_dtype
 from llm_worker.model.target import HFTarget, TargetInfo, TargetModel, describe
 
@@ -30,18 +29,10 @@ class Backend:
 
 
 def _fast(model: Any, info: TargetInfo, cfg: ModelConfig) -> TargetModel:
-    chosen: dict[str, Kernel] | kernels.KernelChooser
-    if cfg.kernel == "auto":
-        chosen = kernels.measured_chooser(info.fingerprint, torch.device(cfg.device), model.dtype)
-    else:
-        kernel = Kernel.parse(cfg.kernel)
-        if kernel.library == "onednn" and not kernels.onednn_available(torch.device(cfg.device), model.dtype):
-            raise ValueError(
-                f"kernel {cfg.kernel!r}: oneDNN prepacking is not available for this device/dtype"
-            )
-        chosen = dict.fromkeys(kernels.ROLES, kernel)
+    """The fast forward; its operations choose the GEMM kernels (``Ops.choose_kernels``: ``--kernel``
+    "auto" or one kernel for every role)."""
     return FastLlamaTarget(
-        model, info, chosen, cfg.attention_chunk, cfg.kv_pool_slots, fused=cfg.fused_kernels
+        model, info, cfg.kernel, cfg.attention_chunk, cfg.kv_pool_slots, fused=cfg.fused_kernels
     )
 
 

@@ -43,7 +43,7 @@ import torch
 
 from llm_worker.model import ops_cpu, ops_torch
 from llm_worker.model.forward import Forward, Layer, fuse, fuse_bias
-from llm_worker.model.kernels import ROLES, Kernel, KernelChooser, Linear
+from llm_worker.model.kernels import ROLES, Kernel, Linear
 from llm_worker.model.kv_pool import GROW, KVPool
 from llm_worker.model.ops import OPS, Ops, OpsContext, OpsFactory
 from llm_worker.model.target import TargetInfo
@@ -91,14 +91,15 @@ class FastLlamaTarget(Forward):
         self,
         model: Any,
         info: TargetInfo,
-        gemm_kernels: Mapping[str, Kernel] | KernelChooser | None = None,
+        gemm_kernels: Mapping[str, Kernel] | str | None = None,
         attention_chunk: int = ATTENTION_CHUNK,
         pool_slots: int = POOL_SLOTS,
         fused: bool = True,
         ops: str | OpsFactory | None = None,
     ) -> None:
-        """``gemm_kernels``: a kernel per role (``kernels.ROLES``), or a chooser handed the fused
-        weights (``kernels.measured_chooser``); None: torch's own BLAS call for every role.
+        """``gemm_kernels``: a kernel per role (``kernels.ROLES``), or what to ask the operations
+        for (``Ops.choose_kernels``: "auto", their own choice, or a kernel's name for every role);
+        None: torch's own BLAS call for every role.
         ``pool_slots``: requests whose caches share one buffer (``KVPool``); 0: each its own.
         ``fused``: the work between the GEMMs in ``native``'s fused CPU kernels where they can
         run here; False (or where they cannot): torch operations. ``ops``: the operations by name
@@ -143,10 +144,10 @@ class FastLlamaTarget(Forward):
         self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [max_context, head_dim]
         self._load_layers(model, gemm_kernels)
 
-    def _load_layers(self, model: Any, gemm_kernels: Mapping[str, Kernel] | KernelChooser | None) -> None:
+    def _load_layers(self, model: Any, gemm_kernels: Mapping[str, Kernel] | str | None) -> None:
         """The layers' weights fused for the GEMMs the forward runs (q/k/v and gate/up: the
         modules' weights become views of the fused matrices, no memory duplicated), each on its
-        role's kernel."""
+        role's kernel (a request: the kernels the operations choose for these weights)."""
         inner, head = model.model, model.lm_head
         weights: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {role: [] for role in ROLES}
         report = None
@@ -159,8 +160,8 @@ class FastLlamaTarget(Forward):
             weights["gate_up"].append((fuse([mlp.gate_proj, mlp.up_proj]), None))
             weights["down"].append((mlp.down_proj.weight.detach(), None))
         weights["lm_head"].append((head.weight.detach(), head.bias))
-        if callable(gemm_kernels):
-            gemm_kernels, report = gemm_kernels(weights)
+        if isinstance(gemm_kernels, str):
+            gemm_kernels, report = self.ops.choose_kernels(weights, gemm_kernels)
         self.kernels = dict(gemm_kernels or dict.fromkeys(ROLES, Kernel("aten", 1)))  # role -> kernel
         self.min_rows = min(k.min_rows for k in self.kernels.values())  # the forward pads to this
         self.kernel_report = report

@@ -1,4 +1,5 @@
-"""GEMM kernels chosen by measurement, among the batch-invariant ones.
+"""GEMM kernels chosen by measurement, among the batch-invariant ones: the choice the torch and
+fused CPU operations make (``requested_kernels``, through ``ops.Ops.choose_kernels``).
 
 A token's logits must not depend on how many rows its forward had (see ``fast_llama``). Every
 other operation of the fast forward is row-invariant by construction; a GEMM is not: BLAS
@@ -508,18 +509,24 @@ def machine_id(device: str) -> str:
 
 Weights = Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor | None]]]
 """Every GEMM role's weight and bias, one per layer, as the forward multiplies them."""
-KernelChooser = Callable[[Weights], tuple[Mapping[str, Kernel], KernelReport | None]]
-"""Given the weights: the kernel of each role, and what was measured to choose it."""
+KernelChoice = tuple[dict[str, Kernel], KernelReport | None]
+"""The kernel of each GEMM role (``ROLES``), and what was measured to choose it (None: nothing)."""
 
 
-def measured_chooser(fingerprint: str, device: torch.device, dtype: torch.dtype) -> KernelChooser:
-    """The "auto" choice: ``load_or_measure_kernels`` on the weights the backend hands over."""
-
-    def choose_for(weights: Weights) -> tuple[Mapping[str, Kernel], KernelReport | None]:
+def requested_kernels(
+    requested: str, fingerprint: str, weights: Weights, device: torch.device, dtype: torch.dtype
+) -> KernelChoice:
+    """The choice among this module's candidates, as the CPU operations make it
+    (``ops.Ops.choose_kernels``): ``requested`` "auto" is ``load_or_measure_kernels``' on the
+    weights; else one kernel's name (``--kernel``) for every role, refused where it is oneDNN's
+    and oneDNN prepacking cannot run here."""
+    if requested == "auto":
         report = load_or_measure_kernels(fingerprint, weights, device, dtype)
         return report.kernels(), report
-
-    return choose_for
+    kernel = Kernel.parse(requested)
+    if kernel.library == "onednn" and not onednn_available(device, dtype):
+        raise ValueError(f"kernel {requested!r}: oneDNN prepacking is not available for this device/dtype")
+    return dict.fromkeys(ROLES, kernel), None
 
 
 def cache_path(fingerprint: str, dtype: str, device: str) -> Path:

@@ -9,11 +9,14 @@ Everything a backend needs to know about the calls (their rows, caches, masks) i
 per forward in ``layout``, from the calls' places (``CallRows``); the forward passes the layout
 back to ``rope_store`` and ``attention`` untouched.
 
+The GEMMs' kernels are the implementation's choice too (``choose_kernels``): the forward hands it
+every GEMM role's weights once, at load, and runs each role on the kernel it returns.
+
 Implementations: ``ops_torch.TorchOps`` (torch operations, any device: the ``--no-fused`` path)
-and ``ops_cpu.FusedCpuOps`` (the fused CPU kernels of ``native``); a CUDA one fits the same
-methods. Each is made from an ``OpsContext`` by a factory named in ``OPS``. Every implementation
-must keep each row's numbers independent of the other rows of its forward (batch invariance,
-see ``fast_llama``).
+and ``ops_cpu.FusedCpuOps`` (the fused CPU kernels of ``native``), both choosing their kernels by
+``kernels``' measurement; a CUDA one fits the same methods, its kernel choice included. Each is
+made from an ``OpsContext`` by a factory named in ``OPS``. Every implementation must keep each
+row's numbers independent of the other rows of its forward (batch invariance, see ``fast_llama``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from llm_worker.model.kernels import Kernel, Linear
+from llm_worker.model.kernels import Kernel, KernelChoice, Linear, Weights
 from llm_worker.model.kv_pool import KVState
 from llm_worker.model.target import TargetInfo
 from llm_worker.verify.tree import TreeBuffers
@@ -72,6 +75,13 @@ class Ops(Protocol):
 
     def scope(self, own_threads: bool) -> AbstractContextManager[None]:
         """Held around a forward (``own_threads``: every GEMM runs on the fused kernels' pool)."""
+        ...
+
+    def choose_kernels(self, weights: Weights, requested: str) -> KernelChoice:
+        """The kernel of each GEMM role (``kernels.ROLES``) for ``weights`` (role -> its weight and
+        bias in every layer, as the forward multiplies them), and what was measured to choose them
+        (None: nothing). ``requested``: "auto" (this implementation's own choice) or a kernel's
+        name for every role (``--kernel``); a ValueError where that one cannot run here."""
         ...
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel) -> Linear:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from llm_worker.model import native, quant
-from llm_worker.model.kernels import Kernel, Linear
+from llm_worker.model.kernels import Kernel, KernelChoice, Linear, Weights, requested_kernels
 from llm_worker.model.kv_pool import KVState
 from llm_worker.model.ops import CallRows, OpsContext, register
 from llm_worker.types import causal_mask
@@ -90,6 +90,12 @@ class FusedCpuOps:
         every GEMM is a packed one of theirs (``own_threads``); else both on torch's OpenMP
         threads (see ``native.serial_torch``)."""
         return self._scope(own_threads)
+
+    def choose_kernels(self, weights: Weights, requested: str) -> KernelChoice:
+        """Among ``kernels``' candidates for this device and dtype (torch's BLAS call, oneDNN's
+        prepacked GEMM, the fused kernels' own), by measurement (``kernels.requested_kernels``)."""
+        c = self.ctx
+        return requested_kernels(requested, c.info.fingerprint, weights, c.device, c.dtype)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel) -> Linear:
         return Linear(weight, bias, kernel)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_worker.model.attention_kernels import attention_min_rows, pad_rows_bmm
-from llm_worker.model.kernels import Kernel, Linear
+from llm_worker.model.kernels import Kernel, KernelChoice, Linear, Weights, requested_kernels
 from llm_worker.model.kv_pool import KVPool, KVState
 from llm_worker.model.ops import CallRows, OpsContext, register
 from llm_worker.types import causal_mask
@@ -113,6 +113,12 @@ class TorchOps:
 
     def scope(self, own_threads: bool) -> AbstractContextManager[None]:
         return nullcontext()
+
+    def choose_kernels(self, weights: Weights, requested: str) -> KernelChoice:
+        """Among ``kernels``' candidates for this device and dtype (torch's BLAS call, oneDNN's
+        prepacked GEMM, the fused kernels' own), by measurement (``kernels.requested_kernels``)."""
+        c = self.ctx
+        return requested_kernels(requested, c.info.fingerprint, weights, c.device, c.dtype)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel) -> Linear:
         return Linear(weight, bias, kernel)

@@ -164,11 +164,14 @@ class TargetModel(ABC):
         This default is a fallback, not a batch: it runs the equivalent *tree* forward of the
         unmerged rows — the root once, every row its own branch, no padding, 1 + Σ lengths rows
         — through ``forward``, and scatters the result into [D, 1 + L]. The numbers are those of
-        the batch (each position sees exactly the same keys); only the layout differs. Backends
-        with a real batched forward over a shared cache override it (``FastLlamaTarget``).
+        the batch (each position sees exactly the same keys); only the layout differs. Every
+        backend takes it today (the fast one too: a separate batched attention would reduce each
+        row's keys in another order than a decode of the same token, see ``fast_llama``); one with
+        a real batched forward over a shared cache would override it.
         """
         d, width = int(tokens.shape[0]), int(tokens.shape[1])
-        flat = [int(tokens[0, 0])]
+        values = tokens.tolist()  # one copy to the host, not one per token
+        flat = [int(values[0][0])]
         parents: list[int] = []
         index = torch.zeros(d, width, dtype=torch.long)  # [D, 1 + L] row of the tree forward; pads → 0
         batch_rows = []
@@ -176,14 +179,16 @@ class TargetModel(ABC):
             rows = [0]
             parent = -1
             for c in range(1, 1 + int(lengths[r])):
-                flat.append(int(tokens[r, c]))
+                flat.append(int(values[r][c]))
                 parents.append(parent)
                 parent = len(flat) - 2  # the node just added
                 rows.append(len(flat) - 1)
             index[r, : len(rows)] = torch.tensor(rows)
             batch_rows.append(rows)
-        out = self.forward(state, torch.tensor(flat), tree_buffers(tuple(parents)), needs)
+        flat_tokens = torch.tensor(flat, dtype=tokens.dtype, device=tokens.device)  # [1 + Σ lengths]
+        out = self.forward(state, flat_tokens, tree_buffers(tuple(parents)), needs)
         state.batch_rows = batch_rows
+        index = index.to(out.logits.device)
         return BatchForwardOutput(out.logits[index], {key: v[index] for key, v in out.artifacts.items()})
 
     def commit_batch(self, state: SequenceState, row: int, count: int) -> None:

@@ -129,7 +129,8 @@ class TreeVerification(Verification[DraftTree]):
         limit = target.branching_rows_limit(state)
         if limit is not None and 1 + len(draft) > limit and not draft.is_chain():
             draft = draft.subtree(range(limit - 1))  # nodes are in topological order: a subtree
-        inputs = torch.tensor((root, *draft.tokens), dtype=torch.long)  # [1 + num_nodes]
+        device = torch.device(target.info.device)
+        inputs = torch.tensor((root, *draft.tokens), dtype=torch.long, device=device)  # [1 + num_nodes]
         fwd = target.forward(state, inputs, tree_buffers(draft.parents) if len(draft) else None, needs)
         result = decide(fwd.logits, draft, position)
         rows = [0] + [node + 1 for node in result.accepted]
@@ -170,8 +171,13 @@ class BatchVerification(Verification[DraftBatch]):
             draft = _fit_rows(draft, limit - 1)
         if not len(draft):  # nothing to verify: a plain one-token step
             return TREE.step(target, state, root, DraftTree.empty(), needs, decide, position)
+        device = torch.device(target.info.device)
         tokens = torch.cat(
-            (torch.full((draft.num_rows, 1), root, dtype=torch.long), draft.padded(pad=root)), dim=1
+            (
+                torch.full((draft.num_rows, 1), root, dtype=torch.long, device=device),
+                draft.padded(pad=root, device=device),
+            ),
+            dim=1,
         )  # [D, 1 + L]
         fwd = target.forward_batch(state, tokens, [len(r) for r in draft.rows], needs)
         trie = draft.trie()

@@ -42,8 +42,11 @@ BACKEND_IDS = ["llama-fast-flat", "llama-fast-cpu", "llama-hf-cpu", "gpt2-hf-fla
 # -- tiny models ---------------------------------------------------------------------------------
 
 
-def tiny_model(kind: str = "llama", vocab: int = 96, seed: int = 0, layers: int = 2) -> Any:
-    """A randomly initialised causal LM small enough to run thousands of forwards in a test."""
+def tiny_model(
+    kind: str = "llama", vocab: int = 96, seed: int = 0, layers: int = 2, head_dim: int = 16
+) -> Any:
+    """A randomly initialised causal LM small enough to run thousands of forwards in a test
+    (``head_dim``: a Llama's)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -61,7 +64,7 @@ def tiny_model(kind: str = "llama", vocab: int = 96, seed: int = 0, layers: int 
         tie_word_embeddings=False,
     )
     if kind == "llama":
-        cfg = transformers.LlamaConfig(**common, head_dim=16)
+        cfg = transformers.LlamaConfig(**common, head_dim=head_dim)
         model = transformers.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**common)

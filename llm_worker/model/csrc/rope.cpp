@@ -13,16 +13,32 @@ namespace {
 
 // ---- RoPE and the KV cache write ------------------------------------------------------------
 
+// One half of a head's RoPE: out[i] = x[i] * cos[i] + partner[i] * sin[i] for i < n, 8 lanes at a
+// time, the last n % 8 through the same vector code (a zero-padded tail: ``load_tail``), so each
+// lane's arithmetic is the same wherever it falls.
+template <typename O>
+inline void rope_half(const float* x, const float* partner, const float* cos, const float* sin, O* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(load8(x + i), load8(cos + i));
+    store8(out + i, _mm256_fmadd_ps(load8(partner + i), load8(sin + i), v));
+  }
+  if (i < n) {
+    const int64_t k = n - i;
+    __m256 v = _mm256_mul_ps(load_tail(x + i, k), load_tail(cos + i, k));
+    store_tail(out + i, _mm256_fmadd_ps(load_tail(partner + i, k), load_tail(sin + i, k), v), k);
+  }
+}
+
 // One head's RoPE: out = x * cos + (x2, x1) * sin_signed (sin_signed = (-sin1, sin2)), in float32,
-// stored as O (float32, or bfloat16 rounded to nearest even).
+// stored as O (float32, or bfloat16 rounded to nearest even). Each half on its own: where half the
+// head is not a multiple of 8 (head_dim 24, 40) a vector across the middle would take its partners
+// from both halves and read past the head's end.
 template <typename O>
 inline void rope_head(const float* x, const float* cos, const float* sin, O* out, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; i += 8) {
-    const int64_t partner = i < half ? i + half : i - half;
-    __m256 v = _mm256_mul_ps(load8(x + i), load8(cos + i));
-    store8(out + i, _mm256_fmadd_ps(load8(x + partner), load8(sin + i), v));
-  }
+  rope_half(x, x + half, cos, sin, out, half);  // x1 · cos1 + x2 · (-sin1)
+  rope_half(x + half, x, cos + half, sin + half, out + half, half);  // x2 · cos2 + x1 · sin2
 }
 
 }  // namespace
