@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide corpus gpu-train clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus gpu-train clean
 
 setup: $(STAMP)
 
@@ -134,8 +134,19 @@ corpus: setup
 	$(VENV)/bin/specdraft train corpus pack --work $(CORPUS_WORK) --corpus $(CORPUS_DIR) \
 	  --note "make corpus CORPUS_MINUTES=$(CORPUS_MINUTES) CORPUS_ARGS='$(CORPUS_ARGS)'"
 
+# EDD for the default model (docs/edd.md) from the committed corpus: its answers unpacked (none
+# generated: --data-minutes ~0), the features of the first EDD_FEATURE_GB of them (about 1.3k
+# conversations a GiB), then EDD_MINUTES of training. Resumable at every stage.
+EDD_DIR         ?= llm_worker/data/drafters/de7dc0073f16aefd
+EDD_FEATURE_GB  ?= 0.7
+EDD_MINUTES     ?= 30
+train-edd: setup
+	$(VENV)/bin/specdraft train corpus unpack --corpus $(CORPUS_DIR) --work $(CORPUS_WORK)
+	$(VENV)/bin/specdraft train edd --work $(CORPUS_WORK) --out $(EDD_DIR)/edd $(CORPUS_ARGS) \
+	  --data-minutes 1e-9 --max-feature-gb $(EDD_FEATURE_GB) --steps 3000 --max-minutes $(EDD_MINUTES)
+
 # One bounded run of the whole pipeline on a GPU (scripts/gpu/train.sh: the corpus continued,
-# features, GLIDE and its ablation side by side; results packed into GPU_OUT).
+# features, GLIDE, EDD and GLIDE's ablation one after the other; results packed into GPU_OUT).
 GPU_OUT ?= bench-out/gpu-train
 gpu-train: setup
 	PY=$(PY) OUT_DIR=$(GPU_OUT) bash scripts/gpu/train.sh

@@ -34,21 +34,17 @@ from llm_worker.drafters.pct import acceptance, expand_order, gain, prune
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.planner import CostCurve
-from llm_worker.training.edd import (
-    EddExample,
-    EddTrainConfig,
-    EddTrainer,
-    make_example,
-    read_features,
-    write_features,
-)
+from llm_worker.training.edd import EddTrainConfig, EddTrainer
+from llm_worker.training.features import Sequence_, _teacher_forced
 from llm_worker.types import DraftTree
 
 MODES = ["edd", "edd+pct", "edd+pct:topk=2:width=2:depth=4"]
 
 
-def own_examples(model: Any, count: int, seed: int, layer: int, prompt_len: int = 12) -> list[EddExample]:
-    """``count`` random prompts continued greedily by ``model``; the loss covers the continuation."""
+def own_sequences(model: Any, count: int, seed: int, layer: int, prompt_len: int = 12) -> list[Sequence_]:
+    """``count`` random prompts continued greedily by ``model``, with layer ``layer``'s hidden
+    states as EDD's features (``features.make_features`` stores them so); the loss covers the
+    continuation."""
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     out = []
@@ -56,9 +52,11 @@ def own_examples(model: Any, count: int, seed: int, layer: int, prompt_len: int 
         prompt = torch.tensor([rng.integers(1, vocab - 1, size=prompt_len).tolist()])
         with torch.inference_mode():
             ids = model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)[0].tolist()
-        mask = [0] * len(ids)
-        mask[prompt_len - 1 : -1] = [1] * (len(ids) - prompt_len)
-        out.append(make_example(model, ids, mask, layer))
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[prompt_len - 1 : -1] = True
+        forced = _teacher_forced(model, [ids], None, (layer,))[0]
+        states = {layer: forced.states[layer].half()}
+        out.append(Sequence_(torch.tensor(ids), mask, None, None, forced.final[mask].half(), mask, states))
     return out
 
 
@@ -69,8 +67,8 @@ def train_tiny_edd(
     from llm_worker.drafters.edd_net import edd_config_for
 
     cfg = edd_config_for(model, vocab or model.config.vocab_size)
-    train = own_examples(model, 16, seed=1, layer=cfg.prompt_layer)
-    heldout = own_examples(model, 3, seed=2, layer=cfg.prompt_layer)
+    train = own_sequences(model, 16, seed=1, layer=cfg.prompt_layer)
+    heldout = own_sequences(model, 3, seed=2, layer=cfg.prompt_layer)
     counts = torch.bincount(torch.cat([e.tokens for e in train]), minlength=model.config.vocab_size)
     d2t = torch.sort(torch.argsort(counts, descending=True)[: cfg.draft_vocab]).values
     trainer = EddTrainer(
@@ -224,7 +222,7 @@ def test_drafter_rows_equal_the_training_forward(tiny_edd: tuple[Any, Path, EddT
     example = trainer.heldout[0]
     ids = example.tokens.tolist()
     root, depth = 20, 4
-    hidden = example.hidden.float()
+    hidden = example.prompt.float()
     ctx = DraftContext(np.asarray(ids[: root + 1]), depth, hidden=_reader(hidden[:root]))
     with torch.inference_mode():
         state = drafter._catch_up(ctx)
@@ -298,41 +296,22 @@ def test_training_loss_falls_and_resume_continues(
     model, _, trained = tiny_edd
     losses = trained.losses
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
-    report_accuracy = trained.evaluate()
-    assert len(report_accuracy) == trained.net_cfg.max_block and max(report_accuracy) > 0
-    cfg = EddTrainConfig(steps=3, tokens_per_batch=512)
-    make = lambda steps: EddTrainer(  # noqa: E731
-        trained.net_cfg,
-        model,
-        trained.d2t,
-        trained.train,
-        [],
-        EddTrainConfig(steps=steps, tokens_per_batch=512),
+    report_accuracy, positions = trained.evaluate()
+    assert len(report_accuracy) == trained.net_cfg.max_block and max(report_accuracy) > 0 and positions
+    seqs = own_sequences(model, 6, seed=1, layer=trained.net_cfg.prompt_layer)
+    make = lambda steps, **kw: EddTrainer(  # noqa: E731
+        trained.net_cfg, model, trained.d2t, seqs, [], EddTrainConfig(steps=steps, tokens_per_batch=512, **kw)
     )
     first = make(3)
     first.fit(tmp_path / "state.pt")
     resumed = make(5)
     resumed.fit(tmp_path / "state.pt")
     assert len(resumed.losses) == 5 and resumed.losses[:3] == first.losses
-    other = EddTrainer(trained.net_cfg, model, trained.d2t.flip(0), trained.train, [], cfg)
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match="kl_weight"):
+        make(5, kl_weight=0.5).load_state(tmp_path / "state.pt")
+    other = EddTrainer(trained.net_cfg, model, trained.d2t.flip(0), seqs, [], EddTrainConfig(steps=3))
+    with pytest.raises(ValueError, match="another draft vocabulary"):
         other.load_state(tmp_path / "state.pt")
-
-
-def test_features_on_disk_resume_and_read_back(tmp_path: Path) -> None:
-    model = tiny_model("llama", vocab=96)
-    conversations = [([1, 5, 7, 9, 11, 3, 4], [0, 0, 1, 1, 1, 1, 0]), ([2, 8, 6, 4], [0, 1, 1, 0])] * 3
-    directory = tmp_path / "features-h1"
-    assert write_features(model, conversations, 1, directory, sequences_per_chunk=4) == 2
-    assert write_features(model, conversations, 1, directory, sequences_per_chunk=4) == 0  # resumed
-    (directory / "train-00001.safetensors").write_bytes(b"damaged")
-    assert write_features(model, conversations, 1, directory, sequences_per_chunk=4) == 1  # remade
-    examples = read_features(directory)
-    assert [e.tokens.tolist() for e in examples] == [ids for ids, _ in conversations]
-    direct = make_example(model, *conversations[1], layer=1)
-    assert torch.equal(examples[1].hidden, direct.hidden) and torch.equal(examples[1].final, direct.final)
-    with pytest.raises(ValueError, match="layer 1, not 2"):
-        write_features(model, conversations, 2, directory)
 
 
 @pytest.mark.parametrize("seconds", [None, lambda n: 0.05 + 0.003 * n], ids=["no-curve", "cpu-curve"])
@@ -348,7 +327,7 @@ def test_proposals_are_a_chain_and_a_tree_within_the_budget(
     tree = DRAFTERS.create("edd+pct:min_reach=0:topk=3:width=3", target, resources)
     shapes = []
     for example in trainer.heldout:
-        ids, prompt = example.tokens.tolist()[:30], example.hidden.float()[:29]
+        ids, prompt = example.tokens.tolist()[:30], example.prompt.float()[:29]
         for drafter, budget in ((chain, 5), (tree, 12)):
             ctx = DraftContext(np.asarray(ids), budget, hidden=_reader(prompt), verify_seconds=seconds)
             draft = drafter.propose(ctx)

@@ -81,6 +81,38 @@ def test_features_store_hidden_states_at_answers_or_everywhere(tiny_dir: Path, t
             make_features(model, tok, tmp_path / "c.jsonl", out, FeatureConfig(layer=1), "w")
 
 
+def test_features_store_the_hidden_states_a_recipe_asks_for(tiny_dir: Path, tmp_path: Path) -> None:
+    """EDD's features: one layer's hidden states at every position and no K/V; they are the
+    target's own (``output_hidden_states``); a directory made for other layers is refused."""
+    import json
+
+    import pytest
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llm_worker.training.features import FeatureConfig, load_sequences, make_features
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    conv = {"split": "train", "messages": [{"role": "user", "content": "Say hi."}]}
+    conv["messages"].append({"role": "assistant", "content": "Hi there, friend."})
+    (tmp_path / "c.jsonl").write_text(json.dumps(conv) + "\n")
+    cfg = FeatureConfig(layer=None, hidden_layers=(1,))
+    assert cfg.dirname == "features-h1"
+    both = FeatureConfig(layer=2, hidden_layers=(0, 1), hidden_everywhere=True)
+    assert both.dirname == "features-l2-h0-h1-all"
+    out = tmp_path / cfg.dirname
+    make_features(model, tok, tmp_path / "c.jsonl", out, cfg, "w")
+    (seq,) = load_sequences(out, "train")
+    assert seq.keys is None and seq.values is None and set(seq.states) == {1}
+    with torch.inference_mode():
+        expected = model.base_model(input_ids=seq.tokens[None], output_hidden_states=True).hidden_states[1][0]
+    torch.testing.assert_close(seq.states[1].float(), expected, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="another target or layer"):
+        other = FeatureConfig(layer=None, hidden_layers=(2,))
+        make_features(model, tok, tmp_path / "c.jsonl", out, other, "w")
+
+
 class RoundCompleter:
     """A stand-in for the target writing instructions: round ``seed``'s row i writes instruction
     number (7 · seed + i) mod 50, so rounds repeat each other's texts now and then."""
@@ -174,10 +206,13 @@ def test_batched_teacher_forcing_matches_one_sequence_at_a_time(tiny_dir: Path) 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(1, 90, (n,), generator=generator).tolist() for n in (7, 30, 1, 18)]
-    alone = [features._teacher_forced(model, [s], 1)[0] for s in sequences]
+    alone = [features._teacher_forced(model, [s], 1, (0, 2))[0] for s in sequences]
     with mock.patch.object(features, "FORWARD_TOKENS", 40):  # two forwards: 30 + 18 > 40
-        together = features._teacher_forced(model, sequences, 1)
+        together = features._teacher_forced(model, sequences, 1, (0, 2))
     for s, one, many in zip(sequences, alone, together, strict=True):
-        for a, b in zip(one, many, strict=True):
+        pairs = [(one.keys, many.keys), (one.values, many.values), (one.final, many.final)]
+        pairs += [(one.states[h], many.states[h]) for h in (0, 2)]
+        for a, b in pairs:
+            assert a is not None and b is not None
             assert a.shape[-2 if a.dim() == 3 else 0] == len(s)
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -26,7 +26,14 @@ from llm_worker.training.pipeline import (
     TrainingRun,
     run_pipeline,
 )
-from llm_worker.training.recipes import GLIDE_RECIPE, GLIDE_SCHEDULE, GlideRecipe
+from llm_worker.training.recipes import (
+    EDD_RECIPE,
+    EDD_SCHEDULE,
+    GLIDE_RECIPE,
+    GLIDE_SCHEDULE,
+    EddRecipe,
+    GlideRecipe,
+)
 from llm_worker.training.trainer import TrainReport
 
 
@@ -83,7 +90,8 @@ class ToyRecipe:
         run: TrainingRun,
     ) -> ToyTrainer:
         self.log.append("build_trainer")
-        assert len(d2t) <= 64 and train and train[0].keys.shape[1] == len(train[0].tokens)
+        keys = train[0].keys if train else None
+        assert len(d2t) <= 64 and keys is not None and keys.shape[1] == len(train[0].tokens)
         return ToyTrainer(run, train, self.log)
 
     def save(
@@ -212,6 +220,49 @@ def test_the_cli_defaults_are_the_librarys() -> None:
         assert getattr(args, name) == getattr(recipe, name), name
     assert (args.steps, args.tokens_per_batch, args.lr) == dataclasses.astuple(GLIDE_SCHEDULE)
     assert recipe.defaults == GLIDE_SCHEDULE
+
+
+def test_the_edd_cli_defaults_are_the_librarys() -> None:
+    from client.cli import build_parser
+
+    args = build_parser().parse_args(["train", "edd", "--out", "x"])
+    for name in ("layer", "min_block", "max_block", "kl_weight", "hard_weight"):
+        assert getattr(args, name) == getattr(EDD_RECIPE, name), name
+    assert args.own_head is not EDD_RECIPE.shared_head
+    assert (args.steps, args.tokens_per_batch, args.lr) == dataclasses.astuple(EDD_SCHEDULE)
+    with pytest.raises(PipelineError, match="--min-block"):
+        EddRecipe(min_block=4, max_block=2)
+    with pytest.raises(PipelineError, match="--kl-weight"):
+        EddRecipe(kl_weight=0, hard_weight=0)
+
+
+def test_edd_trains_from_the_same_work_directory_as_glide(tiny_dir: Path, tmp_path: Path) -> None:
+    """GLIDE's and EDD's recipes share every stage: EDD's run over GLIDE's work directory writes
+    no answer again, makes its own features (one layer's hidden states, no K/V), trains, resumes,
+    and exports a checkpoint without the target's head that ``edd`` loads."""
+    from llm_worker.drafters import DRAFTERS, DraftResources
+    from llm_worker.drafters.checkpoint import load_checkpoint
+    from llm_worker.model import load_target
+
+    work, out = tmp_path / "work", tmp_path / "drafters"
+    out.mkdir()
+    fast = dict(steps=2, tokens_per_batch=256, lr=1e-3)
+    glide = tiny_config(tiny_dir, out / "glide", work, max_answer_tokens=8, schedule=Schedule(**fast))
+    first = run_pipeline(glide, GLIDE_RECIPE)
+    config = dataclasses.replace(glide, out=out / "edd")
+    report = run_pipeline(config, dataclasses.replace(EDD_RECIPE, layer=1, max_block=3), Stages())
+    assert report["answers"]["written"] == 0 and report["answers"]["skipped"] == first["answers"]["written"]
+    assert (work / "features-h1" / "manifest.json").is_file() and report["training"]["steps"] == 2
+    assert len(report["training"]["heldout_top1_by_depth"]) == 3
+    again = run_pipeline(
+        dataclasses.replace(config, schedule=Schedule(**{**fast, "steps": 3})),
+        dataclasses.replace(EDD_RECIPE, layer=1, max_block=3),
+    )
+    assert again["training"]["steps"] == 3
+    target, _ = load_target(ModelConfig(path=str(tiny_dir)))
+    ckpt = load_checkpoint(out / "edd.json", target.info.weights_id or target.info.fingerprint, kind="edd")
+    assert "head.weight" not in ckpt.weights and ckpt.config["shared_head"]
+    DRAFTERS.create("edd+pct", target, DraftResources(drafters_dir=out))
 
 
 def test_data_only_stops_after_the_answers_and_a_past_data_deadline_writes_none(

@@ -1,7 +1,8 @@
-"""``specdraft train glide``: prompts → the target's answers → cached features → draft vocabulary →
-a trained GLIDE checkpoint; ``specdraft train cape``: CAPE's table for it. Every stage resumes
+"""``specdraft train glide`` / ``train edd``: prompts → the target's answers → cached features →
+draft vocabulary → a trained GLIDE or EDD checkpoint; ``specdraft train cape``: CAPE's table for a
+GLIDE checkpoint; ``specdraft train corpus``: the corpus kept compressed. Every stage resumes
 where an interrupted run stopped (the work directory keeps its files). These commands only parse
-their arguments: the pipeline is ``llm_worker.training.pipeline`` driven by GLIDE's recipe
+their arguments: the pipeline is ``llm_worker.training.pipeline`` driven by the drafter's recipe
 (``llm_worker.training.recipes``), the calibration ``llm_worker.training.calibrate``."""
 
 from __future__ import annotations
@@ -16,14 +17,8 @@ from typing import Any
 from client.cli.common import CliError, add_model_args, model_config, positive_int, print_json
 
 
-def add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a learned drafter for a model (resumable)")
-    tsub = p.add_subparsers(dest="train_command", required=True)
-    g = tsub.add_parser("glide", help="GLIDE: a draft network reading the target's KV cache")
-    add_model_args(g)
-    g.add_argument("--work", help="data and features (default: the cache, per model)")
-    g.add_argument("--out", required=True, help="checkpoint stem: writes OUT.safetensors and OUT.json")
-    g.add_argument("--vanilla", action="store_true", help="the ablation without cross-attention")
+def _add_data_args(g: argparse.ArgumentParser) -> None:
+    """The pipeline's data stages: what the target writes, and the features' bound."""
     g.add_argument(
         "--data-dtype",
         default="auto",
@@ -38,23 +33,16 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--generate-batch", type=positive_int, default=24, help="sequences per generate call")
     g.add_argument("--max-feature-gb", type=float, default=4.0, help="bound on the feature cache")
     g.add_argument("--vocab", type=positive_int, default=8192, help="draft vocabulary size")
-    g.add_argument("--layer", type=int, default=-1, help="target layer whose KV the draft reads (-1 = last)")
-    g.add_argument("--block-size", type=positive_int, default=5)
+
+
+def _add_schedule_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=positive_int, default=2000)
     g.add_argument("--tokens-per-batch", type=positive_int, default=4096)
     g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument(
-        "--context-weight",
-        type=float,
-        default=0.0,
-        help="loss weight of prompt positions (the target's predictions there); answers weigh 1",
-    )
-    g.add_argument(
-        "--init-layer",
-        type=int,
-        default=None,
-        help="target layer the draft layer starts from (default: --layer)",
-    )
+
+
+def _add_run_args(g: argparse.ArgumentParser) -> None:
+    """How long the run may take, and what it shows."""
     g.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
     g.add_argument(
         "--finish-minutes",
@@ -73,7 +61,64 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a learned drafter for a model (resumable)")
+    tsub = p.add_subparsers(dest="train_command", required=True)
+    g = tsub.add_parser("glide", help="GLIDE: a draft network reading the target's KV cache")
+    add_model_args(g)
+    g.add_argument("--work", help="data and features (default: the cache, per model)")
+    g.add_argument("--out", required=True, help="checkpoint stem: writes OUT.safetensors and OUT.json")
+    g.add_argument("--vanilla", action="store_true", help="the ablation without cross-attention")
+    _add_data_args(g)
+    g.add_argument("--layer", type=int, default=-1, help="target layer whose KV the draft reads (-1 = last)")
+    g.add_argument("--block-size", type=positive_int, default=5)
+    _add_schedule_args(g)
+    g.add_argument(
+        "--context-weight",
+        type=float,
+        default=0.0,
+        help="loss weight of prompt positions (the target's predictions there); answers weigh 1",
+    )
+    g.add_argument(
+        "--init-layer",
+        type=int,
+        default=None,
+        help="target layer the draft layer starts from (default: --layer)",
+    )
+    _add_run_args(g)
     g.set_defaults(func=cmd_train_glide)
+
+    e = tsub.add_parser(
+        "edd",
+        help="EDD: a draft decoder reading the target's hidden states as a soft prompt",
+        description="The same stages as `train glide` (and the same work directory: prompts and "
+        "answers are shared; EDD's features are the hidden states of one layer).",
+    )
+    add_model_args(e)
+    e.add_argument("--work", help="data and features (default: the cache, per model)")
+    e.add_argument("--out", required=True, help="checkpoint stem: writes OUT.safetensors and OUT.json")
+    _add_data_args(e)
+    e.add_argument(
+        "--layer",
+        type=int,
+        default=None,
+        help="the hidden state read as the soft prompt (0 = embeddings, l = after layer l, -1 = the "
+        "final one; default: the 4th from the last)",
+    )
+    e.add_argument("--min-block", type=positive_int, default=1, help="shortest block of the dual-block mask")
+    e.add_argument("--max-block", type=positive_int, default=8, help="longest block of the dual-block mask")
+    e.add_argument(
+        "--own-head",
+        action="store_true",
+        help="train a head of its own (default: the target's head rows, frozen, not stored)",
+    )
+    e.add_argument("--kl-weight", type=float, default=1.0, help="weight of KL(target || draft)")
+    e.add_argument("--hard-weight", type=float, default=1.0, help="weight of the target argmax's NLL")
+    _add_schedule_args(e)
+    _add_run_args(e)
+    e.set_defaults(func=cmd_train_edd)
 
     k = tsub.add_parser(
         "corpus",
@@ -125,48 +170,60 @@ def _command(args: argparse.Namespace) -> str:
     return "specdraft " + shlex.join(getattr(args, "argv", None) or sys.argv[1:])
 
 
-def cmd_train_glide(args: argparse.Namespace) -> int:
+def _pipeline_config(args: argparse.Namespace) -> Any:
+    """The run of ``train glide`` / ``train edd`` their shared options describe."""
     from client.bench.suite import SUITE_SOURCES
-    from llm_worker.training.pipeline import PipelineConfig, PipelineError, Schedule, run_pipeline
-    from llm_worker.training.recipes import GLIDE_RECIPE
+    from llm_worker.training.pipeline import PipelineConfig, Schedule
+
+    return PipelineConfig(
+        model=model_config(args),
+        out=Path(args.out),
+        work=Path(args.work) if args.work else None,
+        data_dtype=args.data_dtype,
+        instructions=args.instructions,
+        local_tasks=args.local_tasks,
+        heldout_fraction=args.heldout_fraction,
+        max_answer_tokens=args.max_answer_tokens,
+        generate_batch=args.generate_batch,
+        max_feature_gb=args.max_feature_gb,
+        vocab=args.vocab,
+        schedule=Schedule(steps=args.steps, tokens_per_batch=args.tokens_per_batch, lr=args.lr),
+        max_minutes=args.max_minutes,
+        data_minutes=args.data_minutes,
+        finish_minutes=args.finish_minutes,
+        data_only=args.data_only,
+        seed=args.seed,
+        exclude_modules=frozenset(name.split(".")[0] for names in SUITE_SOURCES.values() for name in names),
+        command=_command(args),
+    )
+
+
+def _run_pipeline(args: argparse.Namespace, recipe: Any, **settings: Any) -> int:
+    """Run every stage for ``recipe`` with its ``settings`` replaced; print the report."""
+    from llm_worker.training.pipeline import PipelineError, run_pipeline
 
     try:
-        config = PipelineConfig(
-            model=model_config(args),
-            out=Path(args.out),
-            work=Path(args.work) if args.work else None,
-            data_dtype=args.data_dtype,
-            instructions=args.instructions,
-            local_tasks=args.local_tasks,
-            heldout_fraction=args.heldout_fraction,
-            max_answer_tokens=args.max_answer_tokens,
-            generate_batch=args.generate_batch,
-            max_feature_gb=args.max_feature_gb,
-            vocab=args.vocab,
-            schedule=Schedule(steps=args.steps, tokens_per_batch=args.tokens_per_batch, lr=args.lr),
-            max_minutes=args.max_minutes,
-            data_minutes=args.data_minutes,
-            finish_minutes=args.finish_minutes,
-            data_only=args.data_only,
-            seed=args.seed,
-            exclude_modules=frozenset(
-                name.split(".")[0] for names in SUITE_SOURCES.values() for name in names
-            ),
-            command=_command(args),
-        )
-        recipe = dataclasses.replace(
-            GLIDE_RECIPE,
-            layer=args.layer,
-            init_layer=args.init_layer,
-            block_size=args.block_size,
-            vanilla=args.vanilla,
-            context_weight=args.context_weight,
-        )
+        config, recipe = _pipeline_config(args), dataclasses.replace(recipe, **settings)
         report = run_pipeline(config, recipe, lambda stage, total: _bar(total, stage, args.quiet))
     except PipelineError as exc:
         raise CliError(str(exc)) from None
     print_json(report, indent=2)
     return 0
+
+
+def cmd_train_glide(args: argparse.Namespace) -> int:
+    from llm_worker.training.recipes import GLIDE_RECIPE
+
+    names = ("layer", "init_layer", "block_size", "vanilla", "context_weight")
+    return _run_pipeline(args, GLIDE_RECIPE, **{name: getattr(args, name) for name in names})
+
+
+def cmd_train_edd(args: argparse.Namespace) -> int:
+    from llm_worker.training.recipes import EDD_RECIPE
+
+    names = ("layer", "min_block", "max_block", "kl_weight", "hard_weight")
+    settings = {name: getattr(args, name) for name in names}
+    return _run_pipeline(args, EDD_RECIPE, shared_head=not args.own_head, **settings)
 
 
 def cmd_train_corpus(args: argparse.Namespace) -> int:

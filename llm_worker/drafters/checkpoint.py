@@ -13,10 +13,11 @@ name its own directory (``--drafters-dir``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -109,7 +110,7 @@ def load_checkpoint(
         raise CheckpointMismatchError(
             f"{json_path} was trained for target {target.get('name', '?')!r} (weights "
             f"{target.get('weights_id', '?')}), not this model (weights {weights_id}); train one with "
-            "`specdraft train glide --model DIR`"
+            f"`specdraft train {kind or record.get('kind', 'glide')} --model DIR`"
         )
     weights_path = json_path.with_name(Path(weights["file"]).name)  # beside the JSON, never elsewhere
     if not weights_path.is_file() or sha256_file(weights_path) != weights["sha256"]:
@@ -161,3 +162,30 @@ def find_checkpoint(name: str, weights_id: str, directory: Path | None = None) -
         if candidate.is_file():
             return candidate
     return None
+
+
+NetT = TypeVar("NetT")
+
+
+def load_drafter(
+    name: str,
+    kind: str,
+    weights_id: str,
+    directory: Path | None,
+    build: Callable[[DrafterCheckpoint], NetT],
+) -> tuple[NetT, DrafterCheckpoint]:
+    """The checkpoint ``name`` of ``kind`` for the target ``weights_id`` (``directory`` first,
+    then the shipped one) and the network ``build`` makes of it; ``CheckpointError`` with a
+    message worth printing if there is none, it is another target's or another kind's, or its
+    config and weights do not make the network."""
+    path = find_checkpoint(name, weights_id, directory)
+    if path is None:
+        where = f"{directory} or " if directory is not None else ""
+        raise CheckpointError(
+            f"no {name} drafter for this model in {where}the package; train one with `specdraft train {kind}`"
+        )
+    ckpt = load_checkpoint(path, weights_id, kind=kind)
+    try:
+        return build(ckpt), ckpt
+    except (ValueError, TypeError, RuntimeError) as exc:  # a config or weights that do not make the network
+        raise CheckpointError(f"{path}: not a usable {kind.upper()} checkpoint ({exc})") from None

@@ -48,8 +48,8 @@ from llm_worker.drafters.base import (
     float_option,
     int_option,
 )
-from llm_worker.drafters.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
-from llm_worker.drafters.edd_net import EddConfig, EddNet
+from llm_worker.drafters.checkpoint import CheckpointError, DrafterCheckpoint, load_drafter
+from llm_worker.drafters.edd_net import EddConfig, EddNet, target_head_rows
 from llm_worker.drafters.glide_net import rope_tables
 from llm_worker.drafters.pct import expand_order, prune
 from llm_worker.model.target import TargetModel
@@ -230,24 +230,22 @@ class EddDrafter(Drafter):
 def load_edd(target: TargetModel, directory: Path | None) -> tuple[EddNet, torch.Tensor, dict[str, Any]]:
     """The ``edd`` checkpoint for ``target`` (``--drafters-dir`` first, then the shipped one):
     the network, its draft vocabulary and the checkpoint's ``meta``."""
-    weights_id = target.info.weights_id or target.info.fingerprint
-    path = find_checkpoint(CHECKPOINT, weights_id, directory)
-    if path is None:
-        where = f"{directory} or " if directory is not None else ""
-        raise ModeUnavailableError(
-            f"no edd drafter for this model in {where}the package; train one (docs/edd.md)"
-        )
-    try:
-        ckpt = load_checkpoint(path, weights_id, kind="edd")
-    except CheckpointError as exc:
-        raise ModeUnavailableError(str(exc)) from None
-    try:
+    info = target.info
+
+    def build(ckpt: DrafterCheckpoint) -> EddNet:
         cfg = EddConfig.from_json(ckpt.config)
         net = EddNet(cfg)
-        net.load_state_dict(ckpt.weights)
-    except (ValueError, TypeError, RuntimeError) as exc:  # a config or weights that do not make the network
-        raise ModeUnavailableError(f"{path}: not a usable EDD checkpoint ({exc})") from None
-    info = target.info
+        weights = dict(ckpt.weights)
+        if cfg.shared_head and int(ckpt.d2t.max()) < info.vocab_size:  # the target's own rows
+            weights["head.weight"] = target_head_rows(target.model, ckpt.d2t)
+        net.load_state_dict(weights)
+        return net
+
+    try:
+        net, ckpt = load_drafter(CHECKPOINT, "edd", info.weights_id or info.fingerprint, directory, build)
+    except CheckpointError as exc:
+        raise ModeUnavailableError(str(exc)) from None
+    cfg = net.cfg
     if (
         int(ckpt.d2t.max()) >= info.vocab_size
         or ckpt.d2t.numel() != cfg.draft_vocab
@@ -256,7 +254,7 @@ def load_edd(target: TargetModel, directory: Path | None) -> tuple[EddNet, torch
         or not 0 <= cfg.prompt_layer <= info.num_layers
     ):
         raise ModeUnavailableError(
-            f"{path}: the drafter does not fit this model's vocabulary, layers or heads"
+            f"{CHECKPOINT}: the drafter does not fit this model's vocabulary, layers or heads"
         )
     return net, ckpt.d2t, ckpt.meta
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm_worker.drafters.glide_net import attend, rotate
+from llm_worker.drafters.glide_net import attend, rotate, target_shape
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class EddConfig:
     max_block: int = 8
     """Training's dual-block mask: block lengths drawn uniformly from [min_block, max_block]."""
     rms_eps: float = 1e-5
+    shared_head: bool = False
+    """The head is the target's output rows of the draft vocabulary, frozen (the paper's
+    setting): a checkpoint leaves it out and the loader takes it from the target."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,20 +164,10 @@ def default_prompt_layer(num_layers: int) -> int:
 
 
 def edd_config_for(model: Any, draft_vocab: int, **overrides: Any) -> EddConfig:
-    """The draft's shape for a Llama-family target: its hidden size, heads and MLP width."""
-    cfg = model.config
-    heads = int(cfg.num_attention_heads)
-    fields: dict[str, Any] = dict(
-        hidden_size=int(cfg.hidden_size),
-        intermediate_size=int(cfg.intermediate_size),
-        num_heads=heads,
-        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-        draft_vocab=int(draft_vocab),
-        prompt_layer=default_prompt_layer(int(cfg.num_hidden_layers)),
-        rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-5)),
-    )
-    fields.update(overrides)
+    """The draft's shape for a Llama-family target (``glide_net.target_shape``); the soft prompt
+    is the 4th hidden state from the last unless ``prompt_layer`` says otherwise."""
+    layer = default_prompt_layer(int(model.config.num_hidden_layers))
+    fields = {**target_shape(model), "draft_vocab": int(draft_vocab), "prompt_layer": layer, **overrides}
     return EddConfig(**fields)
 
 
@@ -200,4 +193,10 @@ def init_from_target(net: EddNet, model: Any, d2t: torch.Tensor) -> None:
             mine.weight.copy_(theirs.weight.float())
         net.ln_mlp.weight.copy_(source.post_attention_layernorm.weight.float())
         net.norm.weight.copy_(model.model.norm.weight.float())
-        net.head.weight.copy_(model.lm_head.weight.float()[d2t.to(model.lm_head.weight.device)])
+        net.head.weight.copy_(target_head_rows(model, d2t))
+
+
+def target_head_rows(model: Any, d2t: torch.Tensor) -> torch.Tensor:
+    """The target's output rows of the draft vocabulary ``d2t`` [V]: [V, hidden], float32."""
+    head = model.get_output_embeddings().weight
+    return head.detach().float()[d2t.to(head.device)]

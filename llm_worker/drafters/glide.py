@@ -48,7 +48,7 @@ from llm_worker.drafters.base import (
     float_option,
     int_option,
 )
-from llm_worker.drafters.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+from llm_worker.drafters.checkpoint import CheckpointError, DrafterCheckpoint, load_drafter
 from llm_worker.drafters.glide_fused import DraftKV, FusedGlide, fused_ops
 from llm_worker.drafters.glide_net import GlideConfig, GlideNet, cross_allowed, rope_tables
 from llm_worker.model.target import TargetModel
@@ -307,29 +307,24 @@ def load_glide(
 ) -> tuple[GlideNet, torch.Tensor, dict[str, Any]]:
     """The checkpoint ``name`` for ``target`` (``--drafters-dir`` first, then the shipped one):
     the network, its draft vocabulary and the checkpoint's ``meta``."""
+
+    def build(ckpt: DrafterCheckpoint) -> GlideNet:
+        net = GlideNet(GlideConfig.from_json(ckpt.config))
+        net.load_state_dict(ckpt.weights)
+        return net
+
     weights_id = target.info.weights_id or target.info.fingerprint
-    path = find_checkpoint(name, weights_id, directory)
-    if path is None:
-        where = f"{directory} or " if directory is not None else ""
-        raise ModeUnavailableError(
-            f"no {name} drafter for this model in {where}the package; train one with `specdraft train glide`"
-        )
     try:
-        ckpt = load_checkpoint(path, weights_id, kind="glide")
+        net, ckpt = load_drafter(name, "glide", weights_id, directory, build)
     except CheckpointError as exc:
         raise ModeUnavailableError(str(exc)) from None
-    try:
-        cfg = GlideConfig.from_json(ckpt.config)
-        net = GlideNet(cfg)
-        net.load_state_dict(ckpt.weights)
-    except (ValueError, TypeError, RuntimeError) as exc:  # a config or weights that do not make the network
-        raise ModeUnavailableError(f"{path}: not a usable GLIDE checkpoint ({exc})") from None
+    cfg = net.cfg
     if (
         int(ckpt.d2t.max()) >= target.info.vocab_size
         or ckpt.d2t.numel() != cfg.draft_vocab
         or cfg.head_dim != target.info.head_dim
     ):
-        raise ModeUnavailableError(f"{path}: the drafter does not fit this model's vocabulary or heads")
+        raise ModeUnavailableError(f"{name}: the drafter does not fit this model's vocabulary or heads")
     return net, ckpt.d2t, ckpt.meta
 
 

@@ -209,22 +209,26 @@ def init_from_target(net: GlideNet, model: Any, d2t: torch.Tensor, layer_index: 
         net.head.weight.copy_(model.lm_head.weight.float()[d2t.to(model.lm_head.weight.device)])
 
 
-def glide_config_for(model: Any, draft_vocab: int, **overrides: Any) -> GlideConfig:
-    """The draft's shape for a Llama-family target: its hidden size, heads and MLP width; the
-    cross-attention reads the target's last layer unless ``target_layer`` says otherwise."""
+def target_shape(model: Any) -> dict[str, Any]:
+    """A Llama-family target's layer shape, as a one-layer drafter copies it: hidden size, MLP
+    width, attention heads, KV heads, head size, the norm's epsilon."""
     cfg = model.config
     heads = int(cfg.num_attention_heads)
-    fields: dict[str, Any] = dict(
+    return dict(
         hidden_size=int(cfg.hidden_size),
         intermediate_size=int(cfg.intermediate_size),
         num_heads=heads,
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-        draft_vocab=int(draft_vocab),
-        target_layer=int(cfg.num_hidden_layers) - 1,
         rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-5)),
     )
-    fields.update(overrides)
+
+
+def glide_config_for(model: Any, draft_vocab: int, **overrides: Any) -> GlideConfig:
+    """The draft's shape for a Llama-family target (``target_shape``); the cross-attention reads
+    the target's last layer unless ``target_layer`` says otherwise."""
+    last = int(model.config.num_hidden_layers) - 1
+    fields = {**target_shape(model), "draft_vocab": int(draft_vocab), "target_layer": last, **overrides}
     return GlideConfig(**fields)
 
 

@@ -1,10 +1,11 @@
 """Target features cached on disk, and the reduced draft vocabulary.
 
-One teacher-forced pass of the target over each conversation stores, per token, what drafters
-read: the K/V of the chosen layer (as cached: keys after RoPE) and the final hidden state (after
-the final norm; the target's logits are recomputed from it through its head when training needs
-them — logits are never stored) at every position that has a next token, or at answer positions
-only (``FeatureConfig.hidden_everywhere``). All fp16.
+One teacher-forced pass of the target over each conversation stores, per token, what a drafter's
+recipe asks for (``FeatureConfig``): the K/V of one layer (as cached: keys after RoPE; GLIDE
+reads them), the hidden states of some layers at every position (EDD's soft prompt), and always
+the final hidden state (after the final norm; the target's logits are recomputed from it through
+its head when training needs them — logits are never stored) at every position that has a next
+token, or at answer positions only (``FeatureConfig.hidden_everywhere``). All fp16.
 
 Chunks of ``sequences_per_chunk`` conversations, one safetensors file each, per split:
 ``features/train-00003.safetensors``. ``features/manifest.json`` lists the finished chunks with
@@ -15,8 +16,10 @@ starts once the chunks on disk reach it.
 A chunk holds: ``tokens`` [N] int32 (its conversations concatenated), ``offsets`` [S + 1] int64,
 ``loss_mask`` [N] uint8 (1 where the next token is part of an answer), ``hidden_mask`` [N] uint8
 (1 where the hidden state is stored; absent in older chunks, where it is ``loss_mask``),
-``keys``/``values`` [kv_heads, N, head_dim] fp16, ``hidden`` [M, hidden] fp16 at the M positions
-of ``hidden_mask``.
+``keys``/``values`` [kv_heads, N, head_dim] fp16 (when ``FeatureConfig.layer`` is set),
+``states-{L}`` [N, hidden] fp16 for each layer L of ``FeatureConfig.hidden_layers`` (0 = the
+embeddings, l = after decoder layer l), ``hidden`` [M, hidden] fp16 at the M positions of
+``hidden_mask``. The manifest records the layers: a directory made for other layers is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import itertools
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +43,11 @@ from specdraft.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class FeatureConfig:
-    layer: int
-    """The target layer whose K/V are stored (0-based)."""
+    layer: int | None
+    """The target layer whose K/V are stored (0-based); None: no K/V."""
+    hidden_layers: tuple[int, ...] = ()
+    """Layers whose hidden states are stored at every position (0 = the embeddings, l = after
+    decoder layer l)."""
     sequences_per_chunk: int = 32
     max_tokens: int = 1024
     """Conversations are cut to this many tokens."""
@@ -50,6 +56,25 @@ class FeatureConfig:
     """Store the final hidden state at every position with a next token (prompts too: the
     target's predictions there are extra labels, for ``TrainConfig.context_weight`` > 0), not
     only at answer positions."""
+
+    @property
+    def dirname(self) -> str:
+        """The features' directory in a work directory: ``features-l29`` (layer 29's K/V),
+        ``features-h26`` (hidden states of layer 26), ``features-l29-h26``; ``-all`` added when
+        prompt positions' final hidden states are kept too."""
+        parts = [] if self.layer is None else [f"l{self.layer}"]
+        parts += [f"h{layer}" for layer in self.hidden_layers]
+        return "-".join(["features", *parts]) + ("-all" if self.hidden_everywhere else "")
+
+
+@dataclass
+class Forced:
+    """One sequence's teacher-forced features, on the host (n: its length)."""
+
+    keys: torch.Tensor | None  # [kv, n, d] as the target caches them (None: not asked for)
+    values: torch.Tensor | None  # [kv, n, d]
+    states: dict[int, torch.Tensor]  # layer → [n, hidden]
+    final: torch.Tensor  # [n, hidden] after the final norm
 
 
 def conversation_ids(
@@ -79,16 +104,17 @@ padding after them)."""
 
 
 def _teacher_forced(
-    model: Any, sequences: list[list[int]], layer: int
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per sequence: keys, values [kv, n, d] of ``layer`` as the target caches them and the final
-    hidden state [n, hidden] (after the final norm), on the host. Batched on the model's device."""
+    model: Any, sequences: list[list[int]], layer: int | None, hidden_layers: tuple[int, ...] = ()
+) -> list[Forced]:
+    """Per sequence: keys, values of ``layer`` as the target caches them, the hidden states of
+    ``hidden_layers`` and the final hidden state (after the final norm), on the host. Batched on
+    the model's device."""
     from transformers import DynamicCache
 
     base = model.base_model  # the decoder stack: its last hidden state is after the final norm
     device = model.device
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-    placed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    placed: dict[int, Forced] = {}
     lo = 0
     while lo < len(order):
         width = len(sequences[order[lo]])
@@ -97,14 +123,28 @@ def _teacher_forced(
         ids = torch.zeros((len(group), width), dtype=torch.long)
         for row, i in enumerate(group):
             ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
-        cache = DynamicCache()
+        cache = DynamicCache() if layer is not None else None
         with torch.inference_mode():
-            out = base(input_ids=ids.to(device), past_key_values=cache, use_cache=True)
-        entry: Any = cache.layers[layer]
-        keys, values, hidden = entry.keys.cpu(), entry.values.cpu(), out.last_hidden_state.cpu()
+            out = base(
+                input_ids=ids.to(device),
+                past_key_values=cache,
+                use_cache=cache is not None,
+                output_hidden_states=bool(hidden_layers),
+            )
+        keys = values = None
+        if cache is not None and layer is not None:
+            entry: Any = cache.layers[layer]
+            keys, values = entry.keys.cpu(), entry.values.cpu()
+        states = {h: out.hidden_states[h].cpu() for h in hidden_layers}
+        final = out.last_hidden_state.cpu()
         for row, i in enumerate(group):
             n = len(sequences[i])
-            placed[i] = (keys[row, :, :n], values[row, :, :n], hidden[row, :n])
+            placed[i] = Forced(
+                None if keys is None else keys[row, :, :n],
+                None if values is None else values[row, :, :n],
+                {h: state[row, :n] for h, state in states.items()},
+                final[row, :n],
+            )
         lo += rows
     return [placed[i] for i in range(len(sequences))]
 
@@ -128,9 +168,14 @@ def make_features(
     """Cache features of every conversation (chunk by chunk, resumable); the manifest."""
     directory.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(directory)
-    if manifest.get("weights_id", weights_id) != weights_id or manifest.get("layer", cfg.layer) != cfg.layer:
+    layers = list(cfg.hidden_layers)
+    if (
+        manifest.get("weights_id", weights_id) != weights_id
+        or manifest.get("layer", cfg.layer) != cfg.layer
+        or manifest.get("hidden_layers", layers) != layers
+    ):
         raise ValueError(f"{directory} holds features of another target or layer; use another directory")
-    manifest.update(weights_id=weights_id, layer=cfg.layer)
+    manifest.update(weights_id=weights_id, layer=cfg.layer, hidden_layers=layers)
     good = []
     for chunk in manifest["chunks"]:
         path = directory / chunk["file"]
@@ -189,7 +234,6 @@ def _members(items: list[dict[str, Any]]) -> str:
 def _chunk(
     model: Any, tokenizer: Tokenizer, items: list[dict[str, Any]], cfg: FeatureConfig
 ) -> tuple[dict[str, torch.Tensor], int, int]:
-    tokens, masks, hidden_masks, keys, values, hidden, offsets = [], [], [], [], [], [], [0]
     bad = 0
     usable: list[tuple[list[int], list[int]]] = []
     for record in items:
@@ -203,44 +247,45 @@ def _chunk(
             continue
         mask[-1] = 0  # the last position's next token is not in the sequence
         usable.append((ids, mask))
-    forced = _teacher_forced(model, [ids for ids, _ in usable], cfg.layer) if usable else []
-    for (ids, mask), (k, v, h) in zip(usable, forced, strict=True):
+    if not usable:
+        raise ValueError("no usable conversation in a chunk")
+    forced = _teacher_forced(model, [ids for ids, _ in usable], cfg.layer, cfg.hidden_layers)
+    parts: dict[str, list[torch.Tensor]] = {}
+    offsets = [0]
+    for (ids, mask), f in zip(usable, forced, strict=True):
         answers = torch.tensor(mask, dtype=torch.bool)
         where = answers.clone()
         if cfg.hidden_everywhere:
             where[:-1] = True
-        tokens.append(torch.tensor(ids, dtype=torch.int32))
-        masks.append(answers.to(torch.uint8))
-        hidden_masks.append(where.to(torch.uint8))
-        keys.append(k.to(torch.float16))
-        values.append(v.to(torch.float16))
-        hidden.append(h[where].to(torch.float16))
+        row = {
+            "tokens": torch.tensor(ids, dtype=torch.int32),
+            "loss_mask": answers.to(torch.uint8),
+            "hidden_mask": where.to(torch.uint8),
+            "hidden": f.final[where].to(torch.float16),
+            **{f"states-{h}": state.to(torch.float16) for h, state in f.states.items()},
+        }
+        if f.keys is not None and f.values is not None:
+            row["keys"], row["values"] = f.keys.to(torch.float16), f.values.to(torch.float16)
+        for name, tensor in row.items():
+            parts.setdefault(name, []).append(tensor)
         offsets.append(offsets[-1] + len(ids))
-    if not tokens:
-        raise ValueError("no usable conversation in a chunk")
-    return (
-        {
-            "tokens": torch.cat(tokens),
-            "offsets": torch.tensor(offsets, dtype=torch.int64),
-            "loss_mask": torch.cat(masks),
-            "hidden_mask": torch.cat(hidden_masks),
-            "keys": torch.cat(keys, dim=1).contiguous(),
-            "values": torch.cat(values, dim=1).contiguous(),
-            "hidden": torch.cat(hidden).contiguous(),
-        },
-        len(tokens),
-        bad,
-    )
+    tensors = {
+        name: torch.cat(chunks, dim=1 if name in ("keys", "values") else 0).contiguous()
+        for name, chunks in parts.items()
+    }
+    tensors["offsets"] = torch.tensor(offsets, dtype=torch.int64)
+    return tensors, len(usable), bad
 
 
 @dataclass
 class Sequence_:
     tokens: torch.Tensor  # [n] long
     loss_mask: torch.Tensor  # [n] bool: the next token belongs to an answer
-    keys: torch.Tensor  # [kv, n, d] fp16
-    values: torch.Tensor  # [kv, n, d] fp16
-    hidden: torch.Tensor  # [m, hidden] fp16 at the positions of hidden_mask
+    keys: torch.Tensor | None  # [kv, n, d] fp16 (None: features without K/V)
+    values: torch.Tensor | None  # [kv, n, d] fp16
+    hidden: torch.Tensor  # [m, hidden] fp16 final hidden states at the positions of hidden_mask
     hidden_mask: torch.Tensor  # [n] bool: where ``hidden`` has a row (loss_mask ⊆ hidden_mask)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [n, hidden] fp16
 
 
 def load_sequences(directory: Path, split: str) -> Iterator[Sequence_]:
@@ -257,16 +302,19 @@ def load_sequences(directory: Path, split: str) -> Iterator[Sequence_]:
         mask = t["loss_mask"].bool()
         hmask = t["hidden_mask"].bool() if "hidden_mask" in t else mask
         h_at = torch.cumsum(hmask.long(), 0)
+        layers = [(int(name.removeprefix("states-")), name) for name in t if name.startswith("states-")]
+        keys, values = t.get("keys"), t.get("values")
         for lo, hi in itertools.pairwise(offsets):
             h_lo = int(h_at[lo - 1]) if lo else 0
             h_hi = int(h_at[hi - 1])
             yield Sequence_(
                 t["tokens"][lo:hi].long(),
                 mask[lo:hi],
-                t["keys"][:, lo:hi],
-                t["values"][:, lo:hi],
+                None if keys is None else keys[:, lo:hi],
+                None if values is None else values[:, lo:hi],
                 t["hidden"][h_lo:h_hi],
                 hmask[lo:hi],
+                {layer: t[name][lo:hi] for layer, name in layers},
             )
 
 

@@ -12,9 +12,10 @@ Every stage resumes where an interrupted run stopped. The work directory (``Pipe
 keeps what the stages make: ``data-dtype`` (the dtype its data is written in, chosen once),
 ``prompts.jsonl`` and ``conversations.jsonl`` (``data``: JSON lines, ids already written are
 skipped), ``heldout-questions.jsonl`` (the held-out prompts as benchmark questions, which
-``specdraft train cape`` reads), ``features-l{LAYER}[-all]/`` (``features``: chunks and their
-manifest). Next to the checkpoint stem ``OUT`` the recipe's trainer keeps ``OUT.train-state.pt``
-(a second run continues from it) and the recipe writes ``OUT.safetensors`` and ``OUT.json``.
+``specdraft train cape`` reads), ``features-…/`` (``features``: chunks and their manifest, one
+directory per set of features a recipe asks for: ``FeatureConfig.dirname``). Next to the
+checkpoint stem ``OUT`` the recipe's trainer keeps ``OUT.train-state.pt`` (a second run
+continues from it) and the recipe writes ``OUT.safetensors`` and ``OUT.json``.
 
 Errors a user can act on (a setting out of range, a tokenizer without a chat template, a work
 directory or a training state of another run, no training data) are ``PipelineError``; their
@@ -385,11 +386,6 @@ def write_heldout(prompts: Path, out: Path) -> Path:
     return out
 
 
-def features_dirname(cfg: FeatureConfig) -> str:
-    """``features-l{layer}``, ``-all`` added when prompt positions' hidden states are kept too."""
-    return f"features-l{cfg.layer}" + ("-all" if cfg.hidden_everywhere else "")
-
-
 def make_target_features(
     config: PipelineConfig,
     recipe: Recipe[TrainerT],
@@ -404,7 +400,7 @@ def make_target_features(
 
     t0 = time.perf_counter()
     feature_cfg = recipe.features(target.info, int(config.max_feature_gb * (1 << 30)))
-    directory = work / features_dirname(feature_cfg)
+    directory = work / feature_cfg.dirname
     with progress("features", None) as bar:
         try:
             manifest = make_features(

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -88,16 +88,24 @@ class TrainReport:
     losses: list[float] = field(default_factory=list)
 
 
+def target_argmax(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """The target's argmax [m] (on the host) from its final hidden states [m, hidden] through its
+    ``head`` [vocab, hidden]: in blocks, float32, on ``head``'s device."""
+    labels = [torch.zeros(0, dtype=torch.long)]
+    for lo in range(0, hidden.shape[0], 512):
+        block = hidden[lo : lo + 512].to(head.device).float()
+        labels.append((block @ head.T).argmax(-1).cpu())
+    return torch.cat(labels)
+
+
 def with_labels(seqs: list[Sequence_], head: torch.Tensor) -> list[Example]:
     """The target's argmax at every labelled position, from its final hidden state and ``head``
     [vocab, hidden] (computed in blocks, float32, on ``head``'s device; the labels on the host)."""
     out = []
     for s in seqs:
-        labels = []
-        for lo in range(0, s.hidden.shape[0], 512):
-            block = s.hidden[lo : lo + 512].to(head.device).float()
-            labels.append((block @ head.T).argmax(-1).cpu())
-        label = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
+        if s.keys is None or s.values is None:
+            raise ValueError("GLIDE trains on a layer's K/V: features made without them")
+        label = target_argmax(s.hidden, head)
         out.append(Example(s.tokens, s.loss_mask, s.keys, s.values, s.hidden, label, s.hidden_mask))
     return out
 
@@ -120,6 +128,9 @@ class HasTokens(Protocol):
     tokens: torch.Tensor
 
 
+ExampleT = TypeVar("ExampleT", bound=HasTokens)
+
+
 def batches(examples: Sequence[HasTokens], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
     """Indices of ``examples`` packed into batches (similar lengths together, order shuffled)."""
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), rng.random()))
@@ -139,8 +150,167 @@ def batches(examples: Sequence[HasTokens], tokens_per_batch: int, rng: random.Ra
     return out
 
 
-class GlideTrainer:
+class StepTrainer(Generic[ExampleT]):
+    """The loop every learned drafter's trainer shares: batches packed by length and reshuffled
+    each epoch, linear warm-up and cosine decay (with the time limit, if one comes first),
+    gradient clipping, held-out accuracy every ``eval_every`` steps, the state saved atomically
+    every ``save_every`` steps, at the end and at the time limit, a resumed run refused if it
+    would continue another's, and the checkpoint's export. A drafter's trainer gives its network
+    and data (``net``, ``net_cfg``, ``d2t``, ``opt``, ``train``, ``heldout``), its loss over a
+    batch (``batch_loss``), its held-out accuracy (``evaluate``) and its checkpoint ``kind``.
+
+    ``cfg`` has the fields of ``TrainConfig`` that the loop reads: ``steps``,
+    ``tokens_per_batch``, ``lr``, ``warmup_fraction``, ``clip``, ``eval_every``, ``save_every``,
+    ``max_seconds``, ``seed``, ``device``."""
+
+    kind: str
+    cfg: Any
+    net_cfg: Any  # has ``to_json()``
+    net: torch.nn.Module
+    d2t: torch.Tensor
+    opt: torch.optim.Optimizer
+    train: list[ExampleT]
+    heldout: list[ExampleT]
+    step: int
+    losses: list[float]
+
+    RUN_OWN = ("steps", "eval_every", "save_every", "max_seconds", "device")
+    """Settings a resumed run may change: they are the run's, not the network's."""
+
+    def start_epoch(self, rng: random.Random) -> None:
+        """Draw what an epoch fixes (after its batches, from the same ``rng``); nothing by default."""
+
+    def batch_loss(self, chosen: list[int]) -> torch.Tensor:
+        """The loss of one batch: the training examples at ``chosen``."""
+        raise NotImplementedError
+
+    def evaluate(self, limit_tokens: int = 1 << 30) -> tuple[list[float], int]:
+        """Held-out top-1 agreement with the target per draft depth, and the positions counted."""
+        raise NotImplementedError
+
+    def lr_at(self, step: int, time_fraction: float = 0.0) -> float:
+        return warmup_cosine(self.cfg.lr, self.cfg.steps, self.cfg.warmup_fraction, step, time_fraction)
+
+    def save_state(self, path: Path) -> None:
+        with atomic_path(path) as tmp:
+            torch.save(
+                {
+                    "net": self.net.state_dict(),
+                    "opt": self.opt.state_dict(),
+                    "step": self.step,
+                    "losses": self.losses,
+                    "net_cfg": self.net_cfg.to_json(),
+                    "d2t": self.d2t.cpu(),
+                    "recipe": self._recipe(),
+                },
+                tmp,
+            )
+
+    def _recipe(self) -> dict[str, Any]:
+        """What a resumed run must share with the run that saved the state (``steps`` may grow;
+        the time limit and the device are the run's own)."""
+        fields = asdict(self.cfg)
+        for own in self.RUN_OWN:
+            fields.pop(own, None)
+        return fields
+
+    def load_state(self, path: Path) -> bool:
+        """Resume from ``path`` if it exists; a state of another network, draft vocabulary or
+        recipe is refused (the data it continues on would not be what it trained on)."""
+        if not path.exists():
+            return False
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            saved_cfg, saved_d2t = state["net_cfg"], state.get("d2t")
+        except Exception as exc:  # a damaged or foreign file: say which, not a pickle traceback
+            raise ValueError(
+                f"{path} is not a readable training state ({exc}); delete it or use another --out"
+            ) from None
+        if saved_cfg != self.net_cfg.to_json():
+            raise ValueError(f"{path} is the state of another network shape; use another --out")
+        if saved_d2t is not None and not torch.equal(saved_d2t, self.d2t.cpu()):
+            raise ValueError(
+                f"{path} was trained on another draft vocabulary (the data changed); use another --out"
+            )
+        recipe, mine = state.get("recipe"), self._recipe()
+        if recipe is not None and recipe != mine:
+            changed = sorted(k for k in set(recipe) | set(mine) if recipe.get(k) != mine.get(k))
+            raise ValueError(
+                f"{path} was trained with other settings ({', '.join(changed)}); use another --out"
+            )
+        self.net.load_state_dict(state["net"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.losses = int(state["step"]), list(state["losses"])
+        return True
+
+    def fit(self, state_path: Path, progress: Callable[[dict[str, Any]], None] | None = None) -> TrainReport:
+        cfg = self.cfg
+        began = time.perf_counter()
+        self.load_state(state_path)
+        accuracy: list[float] = []
+        epoch_batches: list[list[int]] = []
+        epoch = -1
+        while self.step < cfg.steps:
+            per_epoch = len(batches(self.train, cfg.tokens_per_batch, random.Random(0)))
+            if self.step // per_epoch != epoch:
+                epoch = self.step // per_epoch
+                rng = random.Random(cfg.seed * 1000 + epoch)
+                epoch_batches = batches(self.train, cfg.tokens_per_batch, rng)
+                self.start_epoch(rng)
+            chosen = epoch_batches[self.step % per_epoch]
+            spent = 0.0 if cfg.max_seconds is None else (time.perf_counter() - began) / cfg.max_seconds
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr_at(self.step, spent)
+            self.net.train()
+            loss = self.batch_loss(chosen)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.clip)
+            self.opt.step()
+            self.step += 1
+            self.losses.append(float(loss.detach()))
+            stop = cfg.max_seconds is not None and time.perf_counter() - began > cfg.max_seconds
+            if self.step % cfg.eval_every == 0 and self.heldout:
+                self.net.eval()
+                accuracy, _ = self.evaluate(limit_tokens=20000)
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps or stop:
+                self.save_state(state_path)
+            if progress is not None:
+                progress({"step": self.step, "loss": self.losses[-1], "accuracy": accuracy})
+            if stop:
+                break
+        self.net.eval()
+        accuracy, positions = self.evaluate() if self.heldout else ([], 0)
+        return TrainReport(
+            self.step,
+            time.perf_counter() - began,
+            self.losses[-1] if self.losses else float("nan"),
+            accuracy,
+            positions,
+            self.losses,
+        )
+
+    def export(self, stem: Path, target: dict[str, Any], command: str, meta: dict[str, Any]) -> Path:
+        ckpt = DrafterCheckpoint(
+            kind=self.kind,
+            config=self.net_cfg.to_json(),
+            d2t=self.d2t.cpu(),
+            weights={k: v.cpu() for k, v in self.exported_weights().items()},
+            target=target,
+            command=command,
+            meta={**meta, "train_config": asdict(self.cfg)},
+        )
+        return save_checkpoint(ckpt, stem)
+
+    def exported_weights(self) -> dict[str, torch.Tensor]:
+        """The network's weights the checkpoint keeps (all of its state by default)."""
+        return dict(self.net.state_dict())
+
+
+class GlideTrainer(StepTrainer[Example]):
     """Owns the network, the frozen target pieces (embeddings, head, RoPE) and the data."""
+
+    kind = "glide"
 
     def __init__(
         self,
@@ -174,6 +344,7 @@ class GlideTrainer:
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
         self.losses: list[float] = []
+        self.shifts: dict[int, int] = {}
 
     # -- one batch ----------------------------------------------------------------------------
 
@@ -271,118 +442,11 @@ class GlideTrainer:
                 break
         return [float(h / s) if s else 0.0 for h, s in zip(hits, seen, strict=True)], int(seen.sum())
 
-    # -- the loop -----------------------------------------------------------------------------
+    # -- the loop's hooks ---------------------------------------------------------------------
 
-    def lr_at(self, step: int, time_fraction: float = 0.0) -> float:
-        return warmup_cosine(self.cfg.lr, self.cfg.steps, self.cfg.warmup_fraction, step, time_fraction)
+    def start_epoch(self, rng: random.Random) -> None:
+        """Each sequence's block grid is shifted at random for the epoch."""
+        self.shifts = {i: rng.randrange(self.net_cfg.block_size) for i in range(len(self.train))}
 
-    def save_state(self, path: Path) -> None:
-        with atomic_path(path) as tmp:
-            torch.save(
-                {
-                    "net": self.net.state_dict(),
-                    "opt": self.opt.state_dict(),
-                    "step": self.step,
-                    "losses": self.losses,
-                    "net_cfg": self.net_cfg.to_json(),
-                    "d2t": self.d2t.cpu(),
-                    "recipe": self._recipe(),
-                },
-                tmp,
-            )
-
-    def _recipe(self) -> dict[str, Any]:
-        """What a resumed run must share with the run that saved the state (``steps`` may grow;
-        the time limit and the device are the run's own)."""
-        fields = asdict(self.cfg)
-        for own in ("steps", "eval_every", "save_every", "max_seconds", "device"):
-            fields.pop(own)
-        return fields
-
-    def load_state(self, path: Path) -> bool:
-        """Resume from ``path`` if it exists; a state of another network, draft vocabulary or
-        recipe is refused (the data it continues on would not be what it trained on)."""
-        if not path.exists():
-            return False
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            saved_cfg, saved_d2t = state["net_cfg"], state.get("d2t")
-        except Exception as exc:  # a damaged or foreign file: say which, not a pickle traceback
-            raise ValueError(
-                f"{path} is not a readable training state ({exc}); delete it or use another --out"
-            ) from None
-        if saved_cfg != self.net_cfg.to_json():
-            raise ValueError(f"{path} is the state of another network shape; use another --out")
-        if saved_d2t is not None and not torch.equal(saved_d2t, self.d2t.cpu()):
-            raise ValueError(
-                f"{path} was trained on another draft vocabulary (the data changed); use another --out"
-            )
-        recipe, mine = state.get("recipe"), self._recipe()
-        if recipe is not None and recipe != mine:
-            changed = sorted(k for k in set(recipe) | set(mine) if recipe.get(k) != mine.get(k))
-            raise ValueError(
-                f"{path} was trained with other settings ({', '.join(changed)}); use another --out"
-            )
-        self.net.load_state_dict(state["net"])
-        self.opt.load_state_dict(state["opt"])
-        self.step, self.losses = int(state["step"]), list(state["losses"])
-        return True
-
-    def fit(self, state_path: Path, progress: Callable[[dict[str, Any]], None] | None = None) -> TrainReport:
-        cfg = self.cfg
-        began = time.perf_counter()
-        self.load_state(state_path)
-        accuracy: list[float] = []
-        epoch_batches: list[list[int]] = []
-        epoch = -1
-        while self.step < cfg.steps:
-            per_epoch = len(batches(self.train, cfg.tokens_per_batch, random.Random(0)))
-            if self.step // per_epoch != epoch:
-                epoch = self.step // per_epoch
-                rng = random.Random(cfg.seed * 1000 + epoch)
-                epoch_batches = batches(self.train, cfg.tokens_per_batch, rng)
-                shifts = {i: rng.randrange(self.net_cfg.block_size) for i in range(len(self.train))}
-            chosen = epoch_batches[self.step % per_epoch]
-            spent = 0.0 if cfg.max_seconds is None else (time.perf_counter() - began) / cfg.max_seconds
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr_at(self.step, spent)
-            self.net.train()
-            loss = self.loss([self.train[i] for i in chosen], [shifts[i] for i in chosen])
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.clip)
-            self.opt.step()
-            self.step += 1
-            self.losses.append(float(loss.detach()))
-            stop = cfg.max_seconds is not None and time.perf_counter() - began > cfg.max_seconds
-            if self.step % cfg.eval_every == 0 and self.heldout:
-                self.net.eval()
-                accuracy, _ = self.evaluate(limit_tokens=20000)
-            if self.step % cfg.save_every == 0 or self.step == cfg.steps or stop:
-                self.save_state(state_path)
-            if progress is not None:
-                progress({"step": self.step, "loss": self.losses[-1], "accuracy": accuracy})
-            if stop:
-                break
-        self.net.eval()
-        accuracy, positions = self.evaluate() if self.heldout else ([], 0)
-        return TrainReport(
-            self.step,
-            time.perf_counter() - began,
-            self.losses[-1] if self.losses else float("nan"),
-            accuracy,
-            positions,
-            self.losses,
-        )
-
-    def export(self, stem: Path, target: dict[str, Any], command: str, meta: dict[str, Any]) -> Path:
-        ckpt = DrafterCheckpoint(
-            kind="glide",
-            config=self.net_cfg.to_json(),
-            d2t=self.d2t.cpu(),
-            weights={k: v.cpu() for k, v in self.net.state_dict().items()},
-            target=target,
-            command=command,
-            meta={**meta, "train_config": asdict(self.cfg)},
-        )
-        return save_checkpoint(ckpt, stem)
+    def batch_loss(self, chosen: list[int]) -> torch.Tensor:
+        return self.loss([self.train[i] for i in chosen], [self.shifts[i] for i in chosen])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole training pipeline on DEVICE (default cuda) with a tiny random Llama and the real
-# tokenizer, in a minute: prompts, answers, features, training, export. Run it before a long GPU
+# tokenizer, in a minute: prompts, answers, features, training, export; GLIDE, then EDD on the same data. Run it before a long GPU
 # run. Needs DIR/common from scripts/gpu/pack.sh (the tokenizer files).
 set -euo pipefail
 device=${1:-cuda}
@@ -31,4 +31,10 @@ time "$py" -m client.cli train glide --model "$work/tiny" --device "$device" --b
   --dtype float32 --work "$work/w" --out "$work/out/glide" --instructions 6 --local-tasks 4 \
   --generate-batch 8 --max-answer-tokens 16 --vocab 512 --steps 3 --tokens-per-batch 512 --heldout-fraction 0.5 \
   --data-minutes 2 --quiet >"$work/report.json"
-"$py" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("smoke ok:", {k: r[k] for k in ("data_dtype", "answers", "features", "training", "checkpoint")})' "$work/report.json"
+time "$py" -m client.cli train edd --model "$work/tiny" --device "$device" --backend hf \
+  --dtype float32 --work "$work/w" --out "$work/out/edd" --instructions 6 --local-tasks 4 \
+  --generate-batch 8 --max-answer-tokens 16 --vocab 512 --steps 3 --tokens-per-batch 512 --heldout-fraction 0.5 \
+  --data-minutes 2 --quiet >"$work/report-edd.json"
+for r in report report-edd; do
+  "$py" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("smoke ok:", {k: r[k] for k in ("data_dtype", "answers", "features", "training", "checkpoint")})' "$work/$r.json"
+done

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One bounded GPU run of the training pipeline for the default model: the target's own corpus
 # (prompts and answers through transformers' batched generate on the GPU), its features, and
-# GLIDE and its ablation trained one after the other; then everything worth keeping packed into
+# GLIDE, EDD and GLIDE's ablation trained one after the other on the same data; then everything worth keeping packed into
 # OUT_DIR as results.tar.xz in pieces of at most 15 MB (results.tar.xz.0, .1, ...), also when a
 # stage failed or ran out of time. The kept corpus (CORPUS, default the repository's
 # corpus/de7dc0073f16aefd) is unpacked into WORK first and continued, and packed again into the
 # results (corpus/: its xz files and manifest, to copy over CORPUS).
 #
-# Knobs (environment): DEADLINE (seconds from the start by which both checkpoints are exported),
-# VANILLA_SECONDS (what the ablation gets at the end, 150; 0: none),
+# Knobs (environment): DEADLINE (seconds from the start by which the checkpoints are exported),
+# EDD_SECONDS (what EDD gets after GLIDE, features included, 180; 0: none), VANILLA_SECONDS (what
+# the ablation gets at the end, 150; 0: none),
 # DATA_MIN (minutes of data generation), BATCH (sequences per generate call), INSTRUCTIONS,
 # LOCAL_TASKS, ANSWER_TOKENS, STEPS, TOKENS_PER_BATCH, FEATURE_GB, MODEL (default: the default model).
 set -uo pipefail
@@ -35,14 +36,24 @@ fi
 
 { nvidia-smi -L; "$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'; } >"$log/env.txt" 2>&1
 
-# GLIDE: data, features, then training until VANILLA_SECONDS before the deadline (less the
-# export); then the ablation on the same features until the deadline. One after the other: side by
-# side each ran five times slower (the first run's log).
+# GLIDE: data, features, then training until EDD_SECONDS + VANILLA_SECONDS before the deadline
+# (less the export); then EDD on the same answers (its own features) until VANILLA_SECONDS before
+# it; then the ablation on GLIDE's features until the deadline. One after the other: side by side
+# each ran five times slower (the first run's log).
+edd_seconds=${EDD_SECONDS:-180}
 vanilla_seconds=${VANILLA_SECONDS:-150}
 timeout -k 20 "$(($(left) + 30))" "$py" -m client.cli train glide "${common[@]}" --out "$work/out/glide" \
-  --data-minutes "${DATA_MIN:-3.5}" --finish-minutes "$("$py" -c "print(max(0.5, ($(left) - $vanilla_seconds) / 60))")" \
+  --data-minutes "${DATA_MIN:-3.5}" \
+  --finish-minutes "$("$py" -c "print(max(0.5, ($(left) - $edd_seconds - $vanilla_seconds) / 60))")" \
   >"$log/glide.json" 2>"$log/glide.err"
 echo "glide exit $?" >>"$log/exits.txt"
+if [ "$edd_seconds" -gt 0 ] && [ "$(left)" -gt 60 ]; then
+  timeout -k 20 "$(($(left) + 30))" "$py" -m client.cli train edd "${common[@]}" \
+    --out "$work/out/edd" --data-minutes 0.001 \
+    --finish-minutes "$("$py" -c "print(max(0.5, ($(left) - $vanilla_seconds) / 60))")" \
+    >"$log/edd.json" 2>"$log/edd.err"
+  echo "edd exit $?" >>"$log/exits.txt"
+fi
 if [ "$vanilla_seconds" -gt 0 ] && [ "$(left)" -gt 60 ]; then
   timeout -k 20 "$(($(left) + 30))" "$py" -m client.cli train glide "${common[@]}" --vanilla \
     --out "$work/out/glide-vanilla" --data-minutes 0.001 --finish-minutes "$(minutes_left)" \
@@ -58,7 +69,7 @@ if [ -n "$corpus" ] && [ -f "$corpus/manifest.json" ]; then cp -r "$corpus" "$wo
   --note "scripts/gpu/train.sh on $(nvidia-smi -L 2>/dev/null | head -1 | cut -d'(' -f1)" >"$log/pack.json" 2>&1
 cd "$work"
 files=(logs corpus)
-for f in data/heldout-questions.jsonl out/glide.json out/glide.safetensors out/glide-vanilla.json out/glide-vanilla.safetensors; do
+for f in data/heldout-questions.jsonl out/{glide,edd,glide-vanilla}.{json,safetensors}; do
   [ -f "$f" ] && files+=("$f")
 done
 for d in data/features-*; do [ -f "$d/manifest.json" ] && files+=("$d/manifest.json"); done

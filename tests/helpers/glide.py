@@ -26,7 +26,9 @@ def own_sequences(model: Any, count: int, seed: int, prompt_len: int = 12, new: 
         prompt = torch.tensor([rng.integers(1, vocab - 1, size=prompt_len).tolist()])
         with torch.inference_mode():
             ids = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)[0].tolist()
-        k, v, h = _teacher_forced(model, [ids], layer)[0]
+        forced = _teacher_forced(model, [ids], layer)[0]
+        assert forced.keys is not None and forced.values is not None
+        k, v, h = forced.keys, forced.values, forced.final
         mask = torch.zeros(len(ids), dtype=torch.bool)
         mask[prompt_len - 1 : -1] = True
         labelled = torch.ones(len(ids), dtype=torch.bool)
