@@ -33,28 +33,17 @@ from llm_worker.drafters.edd_net import (
 )
 from llm_worker.drafters.glide_net import rope_tables
 from llm_worker.training.features import Sequence_
-from llm_worker.training.trainer import StepTrainer, target_argmax
+from llm_worker.training.trainer import LoopConfig, StepTrainer, target_argmax
 
 
 @dataclass(frozen=True)
-class EddTrainConfig:
-    steps: int = 2000
-    tokens_per_batch: int = 4096
-    """Padded tokens per optimiser step (sequences are packed up to it)."""
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_fraction: float = 0.03
-    clip: float = 1.0
+class EddTrainConfig(LoopConfig):
+    """EDD's trainer: the loop's settings and its loss's."""
+
     kl_weight: float = 1.0
     """Weight of KL(target ‖ draft) over the draft vocabulary."""
     hard_weight: float = 1.0
     """Weight of the cross-entropy to the target's argmax."""
-    eval_every: int = 200
-    save_every: int = 100
-    max_seconds: float | None = None
-    """Stop (state saved, checkpoint exported) after this long."""
-    seed: int = 0
-    device: str = "cpu"
 
 
 @dataclass
@@ -85,6 +74,7 @@ class EddTrainer(StepTrainer[EddExample]):
 
     kind = "edd"
     net: EddNet
+    cfg: EddTrainConfig
 
     def __init__(
         self,

@@ -43,7 +43,9 @@ from specdraft.common import atomic_path
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class LoopConfig:
+    """What ``StepTrainer``'s loop reads: every drafter's trainer config has these fields."""
+
     steps: int = 2000
     tokens_per_batch: int = 4096
     """Padded tokens per optimiser step (sequences are packed up to it)."""
@@ -51,17 +53,23 @@ class TrainConfig:
     weight_decay: float = 0.01
     warmup_fraction: float = 0.03
     clip: float = 1.0
-    soft_weight: float = 1.0
-    """Weight of the soft cross-entropy to the target's distribution over the draft vocabulary."""
-    context_weight: float = 0.0
-    """Loss weight of labelled positions outside the answers (0: answers only, and their rows
-    are left out of the forward's head). Measured neutral so far (README)."""
     eval_every: int = 200
     save_every: int = 100
     max_seconds: float | None = None
     """Stop (state saved, checkpoint exported) after this long."""
     seed: int = 0
     device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class TrainConfig(LoopConfig):
+    """GLIDE's trainer: the loop's settings and its loss's."""
+
+    soft_weight: float = 1.0
+    """Weight of the soft cross-entropy to the target's distribution over the draft vocabulary."""
+    context_weight: float = 0.0
+    """Loss weight of labelled positions outside the answers (0: answers only, and their rows
+    are left out of the forward's head). Measured neutral so far (README)."""
     init_layer: int | None = None
     """The target decoder layer the draft layer's self-attention and MLP start from (None: the
     layer whose cache it reads); its cross-attention always starts from the layer it reads."""
@@ -157,14 +165,11 @@ class StepTrainer(Generic[ExampleT]):
     every ``save_every`` steps, at the end and at the time limit, a resumed run refused if it
     would continue another's, and the checkpoint's export. A drafter's trainer gives its network
     and data (``net``, ``net_cfg``, ``d2t``, ``opt``, ``train``, ``heldout``), its loss over a
-    batch (``batch_loss``), its held-out accuracy (``evaluate``) and its checkpoint ``kind``.
-
-    ``cfg`` has the fields of ``TrainConfig`` that the loop reads: ``steps``,
-    ``tokens_per_batch``, ``lr``, ``warmup_fraction``, ``clip``, ``eval_every``, ``save_every``,
-    ``max_seconds``, ``seed``, ``device``."""
+    batch (``batch_loss``), its held-out accuracy (``evaluate``) and its checkpoint ``kind``;
+    its ``cfg`` is a ``LoopConfig`` with its loss's settings added."""
 
     kind: str
-    cfg: Any
+    cfg: LoopConfig
     net_cfg: Any  # has ``to_json()``
     net: torch.nn.Module
     d2t: torch.Tensor
@@ -311,6 +316,7 @@ class GlideTrainer(StepTrainer[Example]):
     """Owns the network, the frozen target pieces (embeddings, head, RoPE) and the data."""
 
     kind = "glide"
+    cfg: TrainConfig
 
     def __init__(
         self,
