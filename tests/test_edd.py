@@ -18,12 +18,10 @@ import torch
 from helpers.models import (
     CPU_LIKE_CURVE,
     FLAT_CURVE,
-    DraftTally,
-    assert_greedy_identical,
-    prompts,
+    assert_modes_equal_ar,
     tiny_model,
 )
-from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution, sample_counts
+from helpers.stats import VOCAB, assert_sampling_exact
 from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError, UnknownModeError
 from llm_worker.drafters.base import DraftContext
@@ -31,7 +29,7 @@ from llm_worker.drafters.checkpoint import load_checkpoint
 from llm_worker.drafters.edd import EddDrafter
 from llm_worker.drafters.edd_net import dual_block_allowed, random_block_starts
 from llm_worker.drafters.pct import acceptance, expand_order, gain, prune
-from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.engine import Engine
 from llm_worker.model import wrap_model
 from llm_worker.planner import CostCurve
 from llm_worker.training.edd import EddTrainConfig, EddTrainer
@@ -120,14 +118,7 @@ def test_greedy_equals_ar_and_drafts_are_accepted(
     model, directory, _ = tiny_edd
     target = wrap_model(model, None, ModelConfig(backend=backend))
     engine = Engine(target, EngineConfig(), curve=curve, resources=DraftResources(drafters_dir=directory))
-    tally = DraftTally()
-    for i, prompt in enumerate(prompts(target.info.vocab_size)):
-        ref = engine.generate(GenerationRequest(tuple(prompt), 48, "ar")).token_ids
-        for mode in MODES:
-            res = engine.generate(GenerationRequest(tuple(prompt), 48, mode))
-            assert_greedy_identical(target, prompt, ref, res.token_ids, f"{backend}/{mode}/prompt{i}")
-            tally.observe(mode, res.stats)
-    tally.assert_every_mode_drafted_and_accepted(backend)
+    assert_modes_equal_ar(engine, target, MODES, 48, backend)
 
 
 @pytest.mark.parametrize(
@@ -140,14 +131,8 @@ def test_sampling_matches_the_exact_distribution(params: SamplingParams, tmp_pat
     target = wrap_model(model, None, ModelConfig(backend="fast"))
     train_tiny_edd(model, target.info, tmp_path, steps=30, vocab=6)  # two tokens the draft cannot name
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    dist = exact_distribution(model, prompt, params)
     engine = Engine(target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(drafters_dir=tmp_path))
-    for mode in ["edd", "edd+pct"]:
-        counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
-        p = chi_square_p(counts, dist, SAMPLES)
-        assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
-        assert drafted > SAMPLES // 4, f"{mode} hardly drafted ({drafted})"
-        assert accepted > 0, f"{mode}: no draft was ever accepted"
+    assert_sampling_exact(engine, model, prompt, ["edd", "edd+pct"], params)
 
 
 # -- PCT ------------------------------------------------------------------------------------------

@@ -15,12 +15,11 @@ from helpers.glide import train_tiny_glide
 from helpers.models import (
     CPU_LIKE_CURVE,
     FLAT_CURVE,
-    DraftTally,
-    assert_greedy_identical,
+    assert_modes_equal_ar,
     prompts,
     tiny_model,
 )
-from helpers.stats import SAMPLES, VOCAB, chi_square_p, exact_distribution, sample_counts
+from helpers.stats import VOCAB, assert_sampling_exact
 from llm_worker.assembly import load_model
 from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError, UnknownModeError
@@ -28,7 +27,7 @@ from llm_worker.drafters.base import DraftContext
 from llm_worker.drafters.checkpoint import CheckpointMismatchError, load_checkpoint
 from llm_worker.drafters.glide import GlideDrafter, cape_siblings, parse_cape
 from llm_worker.drafters.glide_net import GlideConfig, GlideNet, block_limit, cross_allowed
-from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.engine import Engine
 from llm_worker.model import wrap_model
 from llm_worker.model.target import TargetModel
 from llm_worker.planner import CostCurve
@@ -58,14 +57,7 @@ def test_greedy_equals_ar_and_drafts_are_accepted(
     model, directory = tiny_glide
     target = wrap_model(model, None, ModelConfig(backend=backend))
     engine = Engine(target, EngineConfig(), curve=curve, resources=DraftResources(drafters_dir=directory))
-    tally = DraftTally()
-    for i, prompt in enumerate(prompts(target.info.vocab_size)):
-        ref = engine.generate(GenerationRequest(tuple(prompt), 64, "ar")).token_ids
-        for mode in MODES:
-            res = engine.generate(GenerationRequest(tuple(prompt), 64, mode))
-            assert_greedy_identical(target, prompt, ref, res.token_ids, f"{backend}/{mode}/prompt{i}")
-            tally.observe(mode, res.stats)
-    tally.assert_every_mode_drafted_and_accepted(backend)
+    assert_modes_equal_ar(engine, target, MODES, 64, backend)
 
 
 @pytest.mark.parametrize(
@@ -78,14 +70,8 @@ def test_sampling_matches_the_exact_distribution(params: SamplingParams, tmp_pat
     target = wrap_model(model, None, ModelConfig(backend="fast"))
     train_tiny_glide(model, target.info, tmp_path, steps=60, vocab=6)  # two tokens the draft cannot name
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    dist = exact_distribution(model, prompt, params)
     engine = Engine(target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(drafters_dir=tmp_path))
-    for mode in ["glide", "glide+cape"]:
-        counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
-        p = chi_square_p(counts, dist, SAMPLES)
-        assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
-        assert drafted > SAMPLES // 4, f"{mode} hardly drafted ({drafted})"
-        assert accepted > 0, f"{mode}: no draft was ever accepted"
+    assert_sampling_exact(engine, model, prompt, ["glide", "glide+cape"], params)
 
 
 def test_training_loss_falls_and_resume_continues(tmp_path: Path) -> None:

@@ -173,11 +173,11 @@ def load_drafter(
     weights_id: str,
     directory: Path | None,
     build: Callable[[DrafterCheckpoint], NetT],
-) -> tuple[NetT, DrafterCheckpoint]:
+) -> tuple[NetT, DrafterCheckpoint, Path]:
     """The checkpoint ``name`` of ``kind`` for the target ``weights_id`` (``directory`` first,
-    then the shipped one) and the network ``build`` makes of it; ``CheckpointError`` with a
-    message worth printing if there is none, it is another target's or another kind's, or its
-    config and weights do not make the network."""
+    then the shipped one), the network ``build`` makes of it, and the checkpoint's path;
+    ``CheckpointError`` with a message worth printing if there is none, it is another target's or
+    another kind's, or its config and weights do not make the network."""
     path = find_checkpoint(name, weights_id, directory)
     if path is None:
         where = f"{directory} or " if directory is not None else ""
@@ -186,6 +186,6 @@ def load_drafter(
         )
     ckpt = load_checkpoint(path, weights_id, kind=kind)
     try:
-        return build(ckpt), ckpt
+        return build(ckpt), ckpt, path
     except (ValueError, TypeError, RuntimeError) as exc:  # a config or weights that do not make the network
         raise CheckpointError(f"{path}: not a usable {kind.upper()} checkpoint ({exc})") from None

@@ -242,7 +242,8 @@ def load_edd(target: TargetModel, directory: Path | None) -> tuple[EddNet, torch
         return net
 
     try:
-        net, ckpt = load_drafter(CHECKPOINT, "edd", info.weights_id or info.fingerprint, directory, build)
+        weights_id = info.weights_id or info.fingerprint
+        net, ckpt, path = load_drafter(CHECKPOINT, "edd", weights_id, directory, build)
     except CheckpointError as exc:
         raise ModeUnavailableError(str(exc)) from None
     cfg = net.cfg
@@ -254,7 +255,7 @@ def load_edd(target: TargetModel, directory: Path | None) -> tuple[EddNet, torch
         or not 0 <= cfg.prompt_layer <= info.num_layers
     ):
         raise ModeUnavailableError(
-            f"{CHECKPOINT}: the drafter does not fit this model's vocabulary, layers or heads"
+            f"{path}: the drafter does not fit this model's vocabulary, layers or heads"
         )
     return net, ckpt.d2t, ckpt.meta
 

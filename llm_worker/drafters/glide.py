@@ -315,7 +315,7 @@ def load_glide(
 
     weights_id = target.info.weights_id or target.info.fingerprint
     try:
-        net, ckpt = load_drafter(name, "glide", weights_id, directory, build)
+        net, ckpt, path = load_drafter(name, "glide", weights_id, directory, build)
     except CheckpointError as exc:
         raise ModeUnavailableError(str(exc)) from None
     cfg = net.cfg
@@ -324,7 +324,7 @@ def load_glide(
         or ckpt.d2t.numel() != cfg.draft_vocab
         or cfg.head_dim != target.info.head_dim
     ):
-        raise ModeUnavailableError(f"{name}: the drafter does not fit this model's vocabulary or heads")
+        raise ModeUnavailableError(f"{path}: the drafter does not fit this model's vocabulary or heads")
     return net, ckpt.d2t, ckpt.meta
 
 

@@ -241,3 +241,18 @@ class DraftTally:
             if not (self.drafted[mode] > 0 and self.accepted[mode] > 0)
         }
         assert not idle, f"{label}: equal to ar, but nothing was drafted or accepted: {idle}"
+
+
+def assert_modes_equal_ar(
+    engine: Engine, target: TargetModel, modes: Sequence[str], new: int, label: str
+) -> None:
+    """Greedy, each of ``modes`` writes exactly ``ar``'s tokens on every prompt of ``prompts``
+    (``assert_greedy_identical``), and each drafted and had drafts accepted over them."""
+    tally = DraftTally()
+    for i, prompt in enumerate(prompts(target.info.vocab_size)):
+        ref = engine.generate(GenerationRequest(tuple(prompt), new, "ar")).token_ids
+        for mode in modes:
+            res = engine.generate(GenerationRequest(tuple(prompt), new, mode))
+            assert_greedy_identical(target, prompt, ref, res.token_ids, f"{label}/{mode}/prompt{i}")
+            tally.observe(mode, res.stats)
+    tally.assert_every_mode_drafted_and_accepted(label)

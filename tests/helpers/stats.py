@@ -73,3 +73,17 @@ def chi_square_p(counts: dict[tuple[int, ...], int], dist: dict[tuple[int, ...],
         expected[-1] += pool_e
     expected_arr = np.array(expected) * n / sum(expected)
     return float(stats.chisquare(observed, expected_arr).pvalue)
+
+
+def assert_sampling_exact(
+    engine: Engine, model: Any, prompt: list[int], modes: list[str], params: SamplingParams
+) -> None:
+    """Each of ``modes`` samples continuations of ``prompt`` by the target's exact distribution
+    (χ², p > 1e-3), drafting in more than a quarter of the samples, with drafts accepted."""
+    dist = exact_distribution(model, prompt, params)
+    for mode in modes:
+        counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
+        p = chi_square_p(counts, dist, SAMPLES)
+        assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
+        assert drafted > SAMPLES // 4, f"{mode} hardly drafted ({drafted})"
+        assert accepted > 0, f"{mode}: no draft was ever accepted"
