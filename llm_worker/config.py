@@ -98,12 +98,17 @@ class PlannerConfig:
     """Draft only if the predicted tokens/s beats plain decoding by this factor."""
     gate: bool = True
     """Skip drafting altogether where it has not paid (``llm_worker.planner.DraftGate``)."""
-    gate_warmup: int = 32
-    """Steps that always draft in each confidence bucket before the gate may close it."""
+    gate_warmup: int = 8
+    """Steps that always draft in each confidence bucket before the gate may close it (it
+    closes only beyond doubt, so a drafter whose gains vary widely stays open longer)."""
     gate_probe: int = 8
     """A closed bucket still drafts every this many steps, so that it can open again; the
     interval doubles after each probe that did not reopen it, up to ``gate_probe_max``."""
     gate_probe_max: int = 32
+    gate_probe_share: float = 0.01
+    """Probes cost a closed bucket at most about this share of its steps: where one drafting
+    step spends more than ``gate_probe_max`` times this share of a step, the interval grows to
+    spent / share."""
     gate_rate: float = 0.02
     """Weight of one step in the gate's running mean of what drafting earned."""
     gate_margin: float = 0.05

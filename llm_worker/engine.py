@@ -90,15 +90,17 @@ class _Artifacts:
         self.last: dict[ArtifactKey[Any], torch.Tensor] = {}  # key -> [...] (kinds kept last)
 
     def record(self, out: ForwardOutput, rows: list[int]) -> None:
-        if not self.recordings:
+        if not self.recordings or not rows:
             return
-        index = torch.tensor(rows, device=out.logits.device)
         m = len(rows)
+        consecutive = rows == list(range(rows[0], rows[0] + m))  # most steps: a slice, no gather
+        index = None if consecutive else torch.tensor(rows, device=out.logits.device)
         for rec in self.recordings:
             if rec.keep_last:
                 self.last[rec.key] = out.artifacts[rec.key][rows[-1]]
                 continue
-            values = out.artifacts[rec.key].index_select(0, index)
+            found = out.artifacts[rec.key]
+            values = found[rows[0] : rows[0] + m] if index is None else found.index_select(0, index)
             buf = self.buffers.get(rec.key)
             if buf is None or buf.shape[0] < self.length + m:
                 capacity = max(2 * self.length + m, 1024)

@@ -4,10 +4,13 @@ On the CPU they run in numpy, on one thread. torch splits a reduction over 49 k 
 its OpenMP threads, whose workers then spin for a while after it; the fused kernels' own pool
 (``llm_worker/model/csrc/``) wants those cores for the next forward, and each decode
 step lost about a third of its speed to that contention on a 2-core machine. The results are
-torch's: the first index of the largest value, and 1 / Σ exp(l − max).
+torch's: the first index of the largest value, and 1 / Σ exp(l − max) (the exponentials in float32,
+summed in float64).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -29,5 +32,19 @@ def top_probability(logits: torch.Tensor) -> float:
     """[vocab] → the softmax's largest probability, 1 / Σ exp(l − max) (an acceptance feature)."""
     if logits.device.type != "cpu":
         return float(torch.softmax(logits.float(), dim=-1).max())
-    row = logits.detach().float().numpy().astype(np.float64)
-    return float(1.0 / np.exp(row - row.max()).sum())
+    row = logits.detach().float().numpy()
+    shifted = _scratch(row.shape[0])
+    np.subtract(row, row.max(), out=shifted)
+    return float(1.0 / np.exp(shifted, out=shifted).sum(dtype=np.float64))
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """This thread's float32 buffer of ``size``: a fresh one each step was as many page faults
+    as the pass itself (its 200 kB came from mmap each time)."""
+    buffer: np.ndarray | None = getattr(_local, "buffer", None)
+    if buffer is None or buffer.shape[0] != size:
+        buffer = _local.buffer = np.empty(size, dtype=np.float32)
+    return buffer

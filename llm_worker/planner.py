@@ -129,14 +129,20 @@ class DraftGate:
     drafter costs next to nothing (``pld`` looks a context up in under 2 % of a step on the
     default model; a larger share of a tiny model's step) and is left to the acceptance model,
     so its bursts of long copies are never missed. A closed bucket still
-    drafts every ``gate_probe``-th step, the interval doubling (to ``gate_probe_max``) after each
-    probe that did not reopen it, so that it can prove otherwise when the text changes; the first
-    ``gate_warmup`` steps of a bucket always draft. Output never depends on the gate: a step
-    that does not draft is a plain decoding step.
+    drafts every ``gate_probe``-th step, the interval doubling after each probe that did not
+    reopen it (to ``gate_probe_max``, or further where probes that often would cost more than
+    ``gate_probe_share`` of the steps), so that it can prove otherwise when the text changes; the first
+    ``gate_warmup`` steps of a bucket always draft. While every bucket is closed, steps are not
+    asked about one by one: a probe comes every as many steps as the shortest interval, and the
+    steps between skip the pass over the vocabulary that measures the root's confidence (about
+    1 % of a decoding step on the reference CPU). Output never depends on the gate: a step that
+    does not draft is a plain decoding step.
     """
 
     cfg: PlannerConfig
     buckets: dict[float, _GateBucket] = field(default_factory=dict)
+    blind_skipped: int = 0
+    """Steps skipped since the last probe while every bucket was closed (``probe_blind``)."""
 
     def _closed(self, b: _GateBucket) -> bool:
         """Drafting spent and lost more than the margin, beyond doubt: the mean plus one standard
@@ -161,6 +167,25 @@ class DraftGate:
             return True
         return False
 
+    def closed_everywhere(self) -> bool:
+        """Whether every bucket seen so far is closed: then which bucket a step falls in does not
+        matter until a probe, and the root's confidence need not be measured (``probe_blind``)."""
+        if not self.cfg.gate or not self.buckets or not all(self._closed(b) for b in self.buckets.values()):
+            return False
+        for b in self.buckets.values():
+            b.interval = b.interval or self.cfg.gate_probe
+        return True
+
+    def probe_blind(self) -> bool:
+        """A step while every bucket is closed, its confidence unmeasured: True every as many
+        steps as the shortest probe interval of the buckets (a probe, booked to whichever bucket
+        its confidence falls in; a bucket not seen yet then starts its warm-up)."""
+        self.blind_skipped += 1
+        if self.blind_skipped >= min(b.interval for b in self.buckets.values()):
+            self.blind_skipped = 0
+            return True
+        return False
+
     def observe(self, confidence: float, verified: float, spent: float, after_gap: bool = False) -> None:
         """One drafting step: ``verified`` steps of the root alone its verify earned (accepted
         tokens less the nodes' share of the forward), ``spent`` steps drafting. ``after_gap``: the
@@ -176,7 +201,13 @@ class DraftGate:
         b.square += (earned**2 - b.square) * weight
         b.spent += (spent - b.spent) * weight
         if b.interval:  # a probe: the next one comes later if this one did not reopen the bucket
-            b.interval = min(2 * b.interval, self.cfg.gate_probe_max) if self._closed(b) else 0
+            b.interval = min(2 * b.interval, self._longest_interval(b)) if self._closed(b) else 0
+
+    def _longest_interval(self, b: _GateBucket) -> int:
+        """The probe interval's cap: ``gate_probe_max``, or longer where a probe spends so much
+        that probing that often would cost more than ``gate_probe_share`` of the steps."""
+        cfg = self.cfg
+        return max(cfg.gate_probe_max, math.ceil(b.spent / cfg.gate_probe_share))
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,8 @@ class SpeculationPolicy:
     def before_step(self, load: BatchLoad, wanted: bool, stats: GenerationStats) -> bool:
         """Whether this step drafts. ``wanted``: the planner left it a draft budget. Under
         ``load`` a step of a back-off does not; then a gated drafter asks the gate (at the root's
-        confidence, measured here). Steps either held back count in ``stats.gated_steps``."""
+        confidence, measured here, unless every bucket is closed and no probe is due). Steps
+        either held back count in ``stats.gated_steps``."""
         drafting = wanted and self.planner is not None
         if not load.rows:
             self.pause = self.skip = 0
@@ -90,9 +91,16 @@ class SpeculationPolicy:
             self.skip -= 1
             drafting = False
             stats.gated_steps += 1
+        blind = False  # every bucket closed: no confidence needed unless a probe is due
+        if drafting and self.gated:
+            assert self.planner is not None
+            with self.lock:
+                if self.planner.gate.closed_everywhere():
+                    drafting = blind = self.planner.gate.probe_blind()
+            stats.gated_steps += int(not drafting)
         if drafting and not self.measured:
             self.confidence, self.measured = top_probability(self.root_logits), True
-        if drafting and self.gated:
+        if drafting and self.gated and not blind:
             assert self.planner is not None
             with self.lock:
                 drafting = self.planner.gate.open(self.confidence)

@@ -24,13 +24,13 @@ from helpers.models import (
 from helpers.stats import VOCAB, assert_sampling_exact
 from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError, UnknownModeError
-from llm_worker.drafters.base import DraftContext
+from llm_worker.drafters.base import DraftContext, RequestState
 from llm_worker.drafters.checkpoint import load_checkpoint
-from llm_worker.drafters.edd import EddDrafter
-from llm_worker.drafters.edd_net import dual_block_allowed, random_block_starts
+from llm_worker.drafters.edd import EddDrafter, EddOptions, _State
+from llm_worker.drafters.edd_net import EddNet, dual_block_allowed, edd_config_for, random_block_starts
 from llm_worker.drafters.pct import acceptance, expand_order, gain, prune
 from llm_worker.engine import Engine
-from llm_worker.model import wrap_model
+from llm_worker.model import native, quant, wrap_model
 from llm_worker.planner import CostCurve
 from llm_worker.training.edd import EddTrainConfig, EddTrainer
 from llm_worker.training.features import Sequence_, _teacher_forced
@@ -226,6 +226,54 @@ def test_drafter_rows_equal_the_training_forward(tiny_edd: tuple[Any, Path, EddT
     assert net.cfg == drafter.cfg
     torch.testing.assert_close(torch.stack(chain), full, atol=0.05, rtol=0.02)
     assert torch.equal(torch.stack(chain).argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.skipif(native.load() is None, reason="the fused kernels do not build here")
+def test_fused_network_matches_the_torch_network() -> None:
+    """On the fused kernels (weights rounded to 8-bit blocks first, so that rounding is a no-op)
+    the drafter's rows are the torch network's: a chain, then a tree's rows (two children of one
+    node, each reading only its own path), after a catch-up in two pieces and a divergence."""
+    model = tiny_model("llama", vocab=96)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    torch.manual_seed(1)
+    net = EddNet(edd_config_for(model, 64))
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() == 2:
+                p.copy_(quant.round_to_eight_bit(p * 4))
+    drafter = EddDrafter(target, net, torch.arange(64), EddOptions())
+    fast = drafter.fast
+    assert fast is not None
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 90, size=40).tolist()
+    hidden = torch.randn(40, net.cfg.hidden_size, generator=torch.Generator().manual_seed(2)) * 3
+    states = {True: RequestState(), False: RequestState()}
+
+    def rows(
+        fused: bool, root: int, tokens: list[int], steps: list[tuple[list[int], list[int]]]
+    ) -> list[torch.Tensor]:
+        drafter.fast = fast if fused else None
+        ctx = DraftContext(
+            np.asarray(tokens[: root + 1]), 8, hidden=_reader(hidden[:root]), request_state=states[fused]
+        )
+        state = drafter._catch_up(ctx)
+        out, block = drafter._rows(state, None, [tokens[root]], root, [-1])
+        found = [out]
+        for depth, (chosen, parents) in enumerate(steps, start=1):
+            out, block = drafter._rows(state, block, chosen, root + depth, parents)
+            found.append(out)
+        return found
+
+    chain = [([ids[21]], [0]), ([ids[22]], [1])]
+    tree = [([5, 7], [0, 0]), ([9, 11, 13], [1, 2, 2])]
+    with torch.inference_mode():
+        for root, tokens, steps in [(12, ids, chain), (20, ids, tree), (16, ids[:16] + [3] * 24, tree)]:
+            fused_rows = rows(True, root, tokens, steps)
+            torch_rows = rows(False, root, tokens, steps)
+            for a, b in zip(fused_rows, torch_rows, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    kept = states[True].drafter
+    assert isinstance(kept, _State) and kept.fused is not None and kept.fused.length == 16
 
 
 # -- options and checkpoints ----------------------------------------------------------------------

@@ -88,6 +88,23 @@ def test_gate_closes_where_drafting_lost_time_and_probes_to_reopen() -> None:
     assert all(gate.open(0.5) for _ in range(6))
 
 
+def test_probes_of_a_costly_drafter_come_rarely_enough_to_cost_one_percent() -> None:
+    """A probe that spends a whole step drafting comes at most every 100 steps (share 0.01),
+    one that spends a tenth of a step every 32 (``gate_probe_max``)."""
+    for spent, longest in ((1.0, 100), (0.1, 32)):
+        gate = DraftGate(PlannerConfig(gate_warmup=2, gate_probe=8, gate_probe_max=32, gate_probe_share=0.01))
+        for _ in range(2):
+            gate.observe(0.5, 0.0, spent)
+        intervals = []
+        for _ in range(8):
+            skipped = 1
+            while not gate.open(0.5):
+                skipped += 1
+            intervals.append(skipped)
+            gate.observe(0.5, 0.0, spent)  # a probe that did not pay
+        assert intervals[:3] == [8, 16, 32] and intervals[-1] == longest, intervals
+
+
 def test_gate_prices_a_catch_up_after_a_gap_at_the_usual_spending() -> None:
     gate = DraftGate(PlannerConfig(gate_warmup=2))
     for _ in range(2):

@@ -70,6 +70,26 @@ def test_gate_closed_holds_a_gated_drafter_back_and_probes() -> None:
     assert stats.gated_steps == 4
 
 
+def test_a_gate_closed_everywhere_measures_no_confidence_between_probes() -> None:
+    """Every bucket closed: the steps between probes skip the pass over the vocabulary; a probe
+    measures it and is booked to its own bucket; a bucket that then pays opens again."""
+    p, stats = policy(gated=True, gate_warmup=4, gate_probe=3), GenerationStats()
+    close_gate(p, 0.25)
+    close_gate(p, 0.95)
+    assert p.planner is not None
+    gate = p.planner.gate
+    measured = []
+    for _ in range(6):
+        measured.append(p.before_step(ALONE, True, stats) and p.measured)
+        p.after_step(None, 0, 0, 0.0, time.perf_counter(), ROOT)
+    assert measured == [False, False, True, False, False, True]
+    assert stats.gated_steps == 4
+    for _ in range(40):  # drafting at confidence 1/4 pays again: its bucket opens, the gate looks again
+        gate.observe(0.25, 3.0, 0.1)
+    assert not gate.closed_everywhere()
+    assert p.before_step(ALONE, True, stats) and p.measured
+
+
 def test_a_closed_gate_leaves_an_ungated_drafter_alone() -> None:
     p, stats = policy(gated=False, gate_warmup=4), GenerationStats()
     close_gate(p, 0.25)

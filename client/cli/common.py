@@ -129,7 +129,8 @@ def add_datastore_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--drafters-dir",
-        help="learned drafters' checkpoints (glide.json, glide-vanilla.json), before the shipped ones",
+        help="learned drafters' checkpoints (glide.json, glide-vanilla.json, edd.json),"
+        " before the shipped ones",
     )
     add_client_security_args(p, prefix="datastore-")
 

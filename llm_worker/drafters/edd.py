@@ -25,6 +25,10 @@ target's own sample at that position runs the same race over p, and verification
 node against it — so any tree leaves the output exactly plain sampling's.
 
 Every node carries a feature (the draft's probability of it, bucketed) for the planner.
+
+On the fast backend's fused kernels the network runs through the target's operations
+(``edd_fused``: one K/V buffer per request, the soft prompt first and the step's block rows
+after it); elsewhere through torch (``edd_net``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ from llm_worker.drafters.base import (
     int_option,
 )
 from llm_worker.drafters.checkpoint import CheckpointError, DrafterCheckpoint, load_drafter
+from llm_worker.drafters.edd_fused import FusedEdd
 from llm_worker.drafters.edd_net import EddConfig, EddNet, target_head_rows
+from llm_worker.drafters.glide_fused import DraftKV, fused_ops
 from llm_worker.drafters.glide_net import rope_tables
 from llm_worker.drafters.pct import expand_order, prune
 from llm_worker.model.target import TargetModel
@@ -81,15 +87,16 @@ class _State(DrafterState):
     tokens: list[int] = field(default_factory=list)
     keys: torch.Tensor | None = None  # [1, kv, len(tokens), d]
     values: torch.Tensor | None = None  # [1, kv, len(tokens), d]
+    fused: DraftKV | None = None  # the same, when the network runs on the fused kernels
 
 
 @dataclass
 class _Block:
     """The draft rows of one step: row 0 the root, then every expanded node."""
 
-    keys: torch.Tensor  # [1, kv, rows, d]
-    values: torch.Tensor  # [1, kv, rows, d]
     paths: list[list[int]]  # [rows] each row's block rows from the root to itself
+    keys: torch.Tensor | None = None  # [1, kv, rows, d] (None: in the fused buffer after the prompt)
+    values: torch.Tensor | None = None  # [1, kv, rows, d]
 
 
 def _children(probs: torch.Tensor, topk: int, first: int | None) -> list[int]:
@@ -114,6 +121,9 @@ class EddDrafter(Drafter):
         self.cos, self.sin = rope_tables(target.model, target.info.max_context)  # [max_context, d]
         self.needs = ArtifactNeeds(hidden_layers=frozenset({self.cfg.prompt_layer}))
         self.forward_seconds: float | None = None  # one block forward, measured (EMA)
+        # On the fast backend's fused kernels unless they are off (--no-fused) or do not fit.
+        ops = fused_ops(target)
+        self.fast = FusedEdd(net, ops, self.cos, self.sin) if ops and FusedEdd.supports(net) else None
 
     def _catch_up(self, ctx: DraftContext) -> _State:
         """The soft prompt's K/V extended over the committed positions 0 .. T-2 it lacks (kept
@@ -128,7 +138,12 @@ class EddDrafter(Drafter):
             if mine != theirs:
                 break
             keep += 1
-        if keep < cached:
+        if self.fast is not None:
+            kv = state.fused = state.fused or self.fast.new_kv()
+            kv.length = min(kv.length, keep)
+            if keep < cached:
+                self.fast.extend_prompt(kv, ctx.hidden(self.cfg.prompt_layer)[keep:cached])
+        elif keep < cached:
             hidden = ctx.hidden(self.cfg.prompt_layer)[keep:cached].float()  # [n, hidden]
             k, v = self.net.prompt_kv(hidden[None], self.cos[None, keep:cached], self.sin[None, keep:cached])
             if state.keys is not None and state.values is not None and keep:
@@ -145,33 +160,50 @@ class EddDrafter(Drafter):
     ) -> tuple[torch.Tensor, _Block]:
         """New block rows for ``tokens`` (target ids) at ``position``, each the child of block row
         ``parents[i]`` (-1: the root's own row); returns their draft logits [m, V] and the block."""
-        assert state.keys is not None and state.values is not None
         m = len(tokens)
-        prompt = state.keys.shape[2]
-        rows = 0 if block is None else block.keys.shape[2]
+        rows = 0 if block is None else len(block.paths)
         paths = [
             ([] if p < 0 or block is None else block.paths[p]) + [rows + i] for i, p in enumerate(parents)
         ]
+        x = self.embed(torch.tensor(tokens)).float()  # [m, hidden]
+        began = time.perf_counter()
+        if self.fast is not None and state.fused is not None:
+            visible = torch.zeros(m, rows + m, dtype=torch.bool)
+            for i, path in enumerate(paths):
+                visible[i, path] = True
+            positions = torch.full((m,), position, dtype=torch.long)
+            logits = self.fast.rows(state.fused, x, positions, rows, visible)
+            joined = _Block((block.paths if block is not None else []) + paths)
+        else:
+            logits, joined = self._torch_rows(state, block, x, position, paths)
+        seconds = time.perf_counter() - began
+        self.forward_seconds = (
+            seconds if self.forward_seconds is None else 0.9 * self.forward_seconds + 0.1 * seconds
+        )
+        return logits, joined
+
+    def _torch_rows(
+        self, state: _State, block: _Block | None, x: torch.Tensor, position: int, paths: list[list[int]]
+    ) -> tuple[torch.Tensor, _Block]:
+        """``_rows`` through the torch network: x [m, hidden] the new rows' embeddings."""
+        assert state.keys is not None and state.values is not None
+        m = x.shape[0]
+        prompt = state.keys.shape[2]
+        rows = 0 if block is None else len(block.paths)
         allowed = torch.zeros(1, 1, m, prompt + rows + m, dtype=torch.bool)
         allowed[..., :prompt] = True
         for i, path in enumerate(paths):
             allowed[0, 0, i, [prompt + r for r in path]] = True
         keys, values = state.keys, state.values
-        if block is not None:
+        if block is not None and block.keys is not None and block.values is not None:
             keys, values = torch.cat((keys, block.keys), dim=2), torch.cat((values, block.values), dim=2)
-        x = self.embed(torch.tensor(tokens)).float()[None]  # [1, m, hidden]
         cos = self.cos[position].expand(1, m, -1)
         sin = self.sin[position].expand(1, m, -1)
-        began = time.perf_counter()
-        logits, (k, v) = self.net(x, cos, sin, (keys, values), allowed)
-        seconds = time.perf_counter() - began
-        self.forward_seconds = (
-            seconds if self.forward_seconds is None else 0.9 * self.forward_seconds + 0.1 * seconds
-        )
-        if block is None:
-            return logits[0], _Block(k, v, paths)
+        logits, (k, v) = self.net(x[None], cos, sin, (keys, values), allowed)
+        if block is None or block.keys is None or block.values is None:
+            return logits[0], _Block(paths, k, v)
         return logits[0], _Block(
-            torch.cat((block.keys, k), dim=2), torch.cat((block.values, v), dim=2), block.paths + paths
+            block.paths + paths, torch.cat((block.keys, k), dim=2), torch.cat((block.values, v), dim=2)
         )
 
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -216,7 +248,7 @@ class EddDrafter(Drafter):
                 logits, block = self._rows(
                     state, block, [tokens[i] for i in chosen], position, [rows_of[parents[i]] for i in chosen]
                 )
-                first_row = block.keys.shape[2] - len(chosen)
+                first_row = len(block.paths) - len(chosen)
                 expanding = [(i, first_row + j) for j, i in enumerate(chosen)]
         kept = prune(parents, accept, ctx.verify_seconds, ctx.budget)
         index = {node: i for i, node in enumerate(kept)}

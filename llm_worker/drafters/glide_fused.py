@@ -68,6 +68,35 @@ class DraftKV:
     offset: int = 0  # the sequence position of entry 0 (a window that starts after the prompt's start)
 
 
+def fits_fused(hidden: int, heads: int, head_dim: int, intermediate: int) -> bool:
+    """Whether a draft layer of these shapes runs on the fused kernels: every GEMM has whole
+    blocks of 32 inputs, and the attention's heads a multiple of 8 numbers."""
+    widths = (hidden, heads * head_dim, intermediate)
+    return all(w % FusedCpuOps.quant_block == 0 for w in widths) and head_dim % 8 == 0
+
+
+def new_draft_kv(layers: int, kv_heads: int, head_dim: int) -> DraftKV:
+    """Per-layer buffers of ``_GROW`` positions, uninitialised: attention reads only positions
+    written before (filling them cost a 2-core step as much as the rest of a draft forward)."""
+    shape = (1, kv_heads, _GROW, head_dim)
+    return DraftKV([torch.empty(shape) for _ in range(layers)], [torch.empty(shape) for _ in range(layers)])
+
+
+def reserve(kv: DraftKV, needed: int) -> None:
+    """Room in ``kv``'s buffers for ``needed`` positions (grown to a multiple of ``_GROW``, at least
+    doubled; the first ``kv.length`` entries kept)."""
+    capacity = kv.keys[0].shape[2]
+    if needed <= capacity:
+        return
+    grown = -(-max(needed, 2 * capacity) // _GROW) * _GROW
+    for i in range(len(kv.keys)):
+        for buffers in (kv.keys, kv.values):
+            old = buffers[i]
+            new = old.new_empty(1, old.shape[1], grown, old.shape[3])
+            new[:, :, : kv.length] = old[:, :, : kv.length]
+            buffers[i] = new
+
+
 class FusedGlide:
     """``GlideNet``'s inference forward on the fused kernels (see the module docstring)."""
 
@@ -101,28 +130,12 @@ class FusedGlide:
 
     @staticmethod
     def supports(net: GlideNet) -> bool:
-        """Whether every GEMM of ``net`` has whole blocks of 32 inputs."""
         cfg = net.cfg
-        widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
-        return all(w % FusedCpuOps.quant_block == 0 for w in widths) and cfg.head_dim % 8 == 0
+        return fits_fused(cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size)
 
     def new_kv(self) -> DraftKV:
         cfg = self.cfg
-        shape = (1, cfg.num_kv_heads, _GROW, cfg.head_dim)
-        n = cfg.num_layers
-        return DraftKV([torch.zeros(shape) for _ in range(n)], [torch.zeros(shape) for _ in range(n)])
-
-    def _reserve(self, kv: DraftKV, needed: int) -> None:
-        capacity = kv.keys[0].shape[2]
-        if needed <= capacity:
-            return
-        grown = -(-max(needed, 2 * capacity) // _GROW) * _GROW
-        for i in range(len(kv.keys)):
-            for buffers in (kv.keys, kv.values):
-                old = buffers[i]
-                new = old.new_zeros(1, old.shape[1], grown, old.shape[3])
-                new[:, :, : kv.length] = old[:, :, : kv.length]
-                buffers[i] = new
+        return new_draft_kv(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
     def forward(
         self,
@@ -135,7 +148,7 @@ class FusedGlide:
         cfg, ops = self.cfg, self.ops
         n, past = x.shape[0], kv.length
         heads, d = cfg.num_heads, cfg.head_dim
-        self._reserve(kv, past + n)
+        reserve(kv, past + n)
         positions = torch.arange(kv.offset + past, kv.offset + past + n)
         rows = torch.arange(n)
         self_slot, self_start = torch.zeros(n, dtype=torch.long), torch.full((n,), past, dtype=torch.long)
