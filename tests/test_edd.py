@@ -333,13 +333,25 @@ def test_training_loss_falls_and_resume_continues(
     assert len(report_accuracy) == trained.net_cfg.max_block and max(report_accuracy) > 0 and positions
     seqs = own_sequences(model, 6, seed=1, layer=trained.net_cfg.prompt_layer)
     make = lambda steps, **kw: EddTrainer(  # noqa: E731
-        trained.net_cfg, model, trained.d2t, seqs, [], EddTrainConfig(steps=steps, tokens_per_batch=512, **kw)
+        trained.net_cfg,
+        model,
+        trained.d2t,
+        seqs,
+        seqs[:2],
+        EddTrainConfig(steps=steps, tokens_per_batch=512, eval_every=2, **kw),
     )
     first = make(3)
     first.fit(tmp_path / "state.pt")
     resumed = make(5)
-    resumed.fit(tmp_path / "state.pt")
+    report = resumed.fit(tmp_path / "state.pt")
     assert len(resumed.losses) == 5 and resumed.losses[:3] == first.losses
+    # the held-out curve goes on from the saved one (the first run's final evaluation came after
+    # its last save), against the answer tokens seen so far
+    assert [point["step"] for point in report.curve] == [2, 4, 5]
+    seen = [point["answer_tokens_seen"] for point in report.curve]
+    assert seen == sorted(seen) and seen[0] > 0 and seen[1] > seen[0]
+    per_step = [int(e.loss_mask.sum()) for e in seqs]
+    assert seen[-1] <= 5 * sum(per_step) and report.curve[-1]["positions"] == report.heldout_positions
     with pytest.raises(ValueError, match="kl_weight"):
         make(5, kl_weight=0.5).load_state(tmp_path / "state.pt")
     other = EddTrainer(trained.net_cfg, model, trained.d2t.flip(0), seqs, [], EddTrainConfig(steps=3))

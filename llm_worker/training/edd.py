@@ -109,6 +109,7 @@ class EddTrainer(StepTrainer[EddExample]):
         self.opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
         self.losses: list[float] = []
+        self.curve: list[dict[str, Any]] = []
 
     def _batch(self, items: list[EddExample], generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """Padded tensors of ``items`` and each position's block start: random block lengths from

@@ -483,6 +483,7 @@ def train(
         "final_loss": round(result.final_loss, 4),
         "heldout_top1_by_depth": [round(a, 4) for a in result.heldout_accuracy],
         "heldout_positions": result.heldout_positions,
+        "heldout_curve": result.curve,
     }
 
 

@@ -94,6 +94,8 @@ class TrainReport:
     heldout_accuracy: list[float] = field(default_factory=list)  # [block_size] top-1 per depth
     heldout_positions: int = 0
     losses: list[float] = field(default_factory=list)
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    """The held-out evaluations along the run (``StepTrainer.curve``)."""
 
 
 def target_argmax(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -131,9 +133,10 @@ def warmup_cosine(
 
 
 class HasTokens(Protocol):
-    """A training sequence as batching sees it."""
+    """A training sequence as batching sees it: its tokens, and which of them are answers."""
 
     tokens: torch.Tensor
+    loss_mask: torch.Tensor
 
 
 ExampleT = TypeVar("ExampleT", bound=HasTokens)
@@ -178,6 +181,14 @@ class StepTrainer(Generic[ExampleT]):
     heldout: list[ExampleT]
     step: int
     losses: list[float]
+    seen: int = 0
+    """Answer tokens trained on so far (an epoch's repeats counted again)."""
+    curve: list[dict[str, Any]]
+    """Every held-out evaluation of the run, in order: ``{"step", "answer_tokens_seen",
+    "top1_by_depth", "positions"}`` (during the run on the first 20 000 held-out positions, at
+    the end on all). Read against ``answer_tokens_seen``, the first epoch is acceptance against
+    the amount of data: ``{"step": 200, "answer_tokens_seen": 409600, "top1_by_depth": [0.31,
+    ...], "positions": 20000}``."""
 
     RUN_OWN = ("steps", "eval_every", "save_every", "max_seconds", "device")
     """Settings a resumed run may change: they are the run's, not the network's."""
@@ -204,6 +215,8 @@ class StepTrainer(Generic[ExampleT]):
                     "opt": self.opt.state_dict(),
                     "step": self.step,
                     "losses": self.losses,
+                    "seen": self.seen,
+                    "curve": self.curve,
                     "net_cfg": self.net_cfg.to_json(),
                     "d2t": self.d2t.cpu(),
                     "recipe": self._recipe(),
@@ -246,7 +259,22 @@ class StepTrainer(Generic[ExampleT]):
         self.net.load_state_dict(state["net"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.losses = int(state["step"]), list(state["losses"])
+        self.seen, self.curve = int(state.get("seen", 0)), list(state.get("curve", []))
         return True
+
+    def _evaluated(self, limit_tokens: int = 1 << 30) -> list[float]:
+        """``evaluate``, kept in ``curve`` with the data seen so far."""
+        self.net.eval()
+        accuracy, positions = self.evaluate(limit_tokens)
+        self.curve.append(
+            {
+                "step": self.step,
+                "answer_tokens_seen": self.seen,
+                "top1_by_depth": [round(a, 4) for a in accuracy],
+                "positions": positions,
+            }
+        )
+        return accuracy
 
     def fit(self, state_path: Path, progress: Callable[[dict[str, Any]], None] | None = None) -> TrainReport:
         cfg = self.cfg
@@ -268,6 +296,7 @@ class StepTrainer(Generic[ExampleT]):
                 group["lr"] = self.lr_at(self.step, spent)
             self.net.train()
             loss = self.batch_loss(chosen)
+            self.seen += sum(int(self.train[i].loss_mask.sum().item()) for i in chosen)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.clip)
@@ -276,8 +305,7 @@ class StepTrainer(Generic[ExampleT]):
             self.losses.append(float(loss.detach()))
             stop = cfg.max_seconds is not None and time.perf_counter() - began > cfg.max_seconds
             if self.step % cfg.eval_every == 0 and self.heldout:
-                self.net.eval()
-                accuracy, _ = self.evaluate(limit_tokens=20000)
+                accuracy = self._evaluated(limit_tokens=20000)
             if self.step % cfg.save_every == 0 or self.step == cfg.steps or stop:
                 self.save_state(state_path)
             if progress is not None:
@@ -285,14 +313,15 @@ class StepTrainer(Generic[ExampleT]):
             if stop:
                 break
         self.net.eval()
-        accuracy, positions = self.evaluate() if self.heldout else ([], 0)
+        accuracy = self._evaluated() if self.heldout else []
         return TrainReport(
             self.step,
             time.perf_counter() - began,
             self.losses[-1] if self.losses else float("nan"),
             accuracy,
-            positions,
+            self.curve[-1]["positions"] if self.heldout else 0,
             self.losses,
+            self.curve,
         )
 
     def export(self, stem: Path, target: dict[str, Any], command: str, meta: dict[str, Any]) -> Path:
@@ -350,6 +379,7 @@ class GlideTrainer(StepTrainer[Example]):
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
         self.losses: list[float] = []
+        self.curve: list[dict[str, Any]] = []
         self.shifts: dict[int, int] = {}
 
     # -- one batch ----------------------------------------------------------------------------
