@@ -332,13 +332,15 @@ def test_training_loss_falls_and_resume_continues(
     report_accuracy, positions = trained.evaluate()
     assert len(report_accuracy) == trained.net_cfg.max_block and max(report_accuracy) > 0 and positions
     seqs = own_sequences(model, 6, seed=1, layer=trained.net_cfg.prompt_layer)
-    make = lambda steps, **kw: EddTrainer(  # noqa: E731
-        trained.net_cfg,
-        model,
-        trained.d2t,
-        seqs,
-        seqs[:2],
-        EddTrainConfig(steps=steps, tokens_per_batch=512, eval_every=2, **kw),
+    make = (
+        lambda steps, **kw: EddTrainer(  # noqa: E731
+            trained.net_cfg,
+            model,
+            trained.d2t,
+            seqs,
+            seqs[:2],
+            EddTrainConfig(steps=steps, tokens_per_batch=512, eval_every=2, **kw),
+        )
     )
     first = make(3)
     first.fit(tmp_path / "state.pt")
