@@ -11,6 +11,12 @@
 Redis is a cache, never a dependency: every call has a short timeout, and after a failure the
 cache stays off for ``retry_after`` seconds (no timeout per draft step while Redis is down). A
 miss, a Redis error and a disabled cache all mean "compute it here".
+
+What is read from Redis is untrusted (anyone with a Redis user that may write these keys can put
+anything there): a value that does not parse — too big, not a zip, a decompression bomb, a key
+of another type, JSON of another shape — is a miss, counted (``unreadable``), logged at most once
+a minute, and the entry is deleted (statistics: then overwritten with the datastore's own), so
+that it costs one miss, not one per draft step.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from datastore_svc.dense import (
     DenseSource,
     DenseStats,
 )
+from specdraft.common import ThrottledWarning
 from specdraft.redisconn import check_url, connect, redacted
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,23 @@ class RedisLink:
             self._down_until = time.monotonic() + self.retry_after
             return None
 
+    def read(self, fn: Any, key: str) -> Any:
+        """``call(fn, key)`` where a key of another type (Redis's WRONGTYPE: someone wrote a
+        string where a hash belongs, or the reverse) reads as ``b""``, unreadable, instead of as
+        Redis being down: the caller counts it and deletes the key."""
+
+        def guarded() -> Any:
+            import redis
+
+            try:
+                return fn(key)
+            except redis.ResponseError as exc:
+                if str(exc).startswith("WRONGTYPE"):
+                    return b""
+                raise
+
+        return self.call(guarded)
+
 
 def link_for(url: str | None) -> RedisLink | None:
     if not url:
@@ -82,6 +106,8 @@ class StatsCache:
         self._local: dict[str, DenseStats] = {}
         self._lock = threading.Lock()
         self.redis_hits = 0
+        self.unreadable = 0  # values in Redis that did not parse (each deleted or replaced)
+        self._unreadable_log = ThrottledWarning(log)
 
     @staticmethod
     def key(version: str) -> str:
@@ -100,18 +126,24 @@ class StatsCache:
         return bool(self.link.call(self.link.client.set, self.key(version), stats.to_bytes()))
 
     def get(self, version: str, fallback: Any = None) -> DenseStats | None:
+        """The statistics of ``version``, or None. An unreadable value in Redis is counted,
+        deleted, and replaced by ``fallback``'s statistics when it has them."""
         with self._lock:
             stats = self._local.get(version)
             if stats is not None:
                 return stats
             if self.link is not None:
-                data = self.link.call(self.link.client.get, self.key(version))
-                if data:
+                data = self.link.read(self.link.client.get, self.key(version))
+                if data is not None:
                     try:
                         stats = DenseStats.from_bytes(data)
                         self.redis_hits += 1
                     except DenseError as exc:
-                        log.warning("ignoring unreadable statistics of %s in redis: %s", version, exc)
+                        self.unreadable += 1
+                        self._unreadable_log.warn(
+                            "deleting unreadable dense statistics of %.80r in redis: %s", version, exc
+                        )
+                        self.link.call(self.link.client.delete, self.key(version))
             if stats is None and fallback is not None:
                 stats = fallback(version)
                 if stats is not None and self.link is not None:
@@ -126,6 +158,7 @@ class CacheCounters:
     hits: int = 0
     misses: int = 0
     stores: int = 0
+    unreadable: int = 0  # entries that did not parse: misses too, and deleted
     saved_seconds: float = 0.0  # hits × the mean cost of a miss (projection + search)
     miss_seconds: float = 0.0
 
@@ -151,15 +184,23 @@ def encode_result(query: np.ndarray, result: DenseRetrieval) -> dict[str, bytes]
 
 
 def decode_result(fields: dict[bytes, bytes]) -> tuple[np.ndarray, DenseRetrieval]:
-    query = np.frombuffer(fields[b"q"], dtype=np.float32)
-    body = json.loads(fields[b"r"])
-    cands = tuple(
-        DenseCandidate(
-            tuple(int(t) for t in toks), float(score), int(count), DenseSource(*src) if src else None
+    """``encode_result``'s fields back; anything else (Redis is untrusted) is a ``DenseError``.
+
+    Example: ``{b"q": b"...", b"r": b'{"c": [[[5, 6], 0.9, 1, null]], "s": 3, "m": 1}'}`` → one
+    candidate [5, 6] of score 0.9; ``{b"r": b"[]"}`` → ``DenseError``.
+    """
+    try:
+        query = np.frombuffer(fields[b"q"], dtype=np.float32)
+        body = json.loads(fields[b"r"])
+        cands = tuple(
+            DenseCandidate(
+                tuple(int(t) for t in toks), float(score), int(count), DenseSource(*src) if src else None
+            )
+            for toks, score, count, src in body["c"]
         )
-        for toks, score, count, src in body["c"]
-    )
-    return query, DenseRetrieval(cands, int(body["s"]), int(body["m"]))
+        return query, DenseRetrieval(cands, int(body["s"]), int(body["m"]))
+    except Exception as exc:  # KeyError, ValueError, TypeError, OverflowError, RecursionError, ...
+        raise DenseError(f"unreadable cached query: {type(exc).__name__}") from None
 
 
 class QueryCache:
@@ -176,6 +217,7 @@ class QueryCache:
         self.max_value_bytes = max_value_bytes
         self.context_window = context_window
         self.counters = CacheCounters()
+        self._unreadable_log = ThrottledWarning(log)
 
     @property
     def enabled(self) -> bool:
@@ -187,18 +229,24 @@ class QueryCache:
         return f"{NAMESPACE}:{version}:dense-q:{shape}:{context_hash(recent)}"
 
     def get(self, key: str) -> DenseRetrieval | None:
+        """The cached drafts under ``key``, or None (a miss). An entry that does not parse, or is
+        bigger than any this cache stores, is a miss too, counted and deleted."""
         if not self.enabled:
             return None
         assert self.link is not None
-        fields = self.link.call(self.link.client.hgetall, key)
-        if not fields:
+        fields = self.link.read(self.link.client.hgetall, key)  # b"": a key of another type
+        if fields is None or fields == {}:  # Redis unusable, or nothing cached
             self.counters.misses += 1
             return None
         try:
+            if not isinstance(fields, dict) or sum(len(v) for v in fields.values()) > self.max_value_bytes:
+                raise DenseError("not a hash of this cache's size")
             _, result = decode_result(fields)
-        except (KeyError, ValueError, TypeError) as exc:
-            log.warning("ignoring an unreadable cached query %s: %s", key, exc)
+        except DenseError as exc:
+            self._unreadable_log.warn("deleting an unreadable cached query %s: %s", key, exc)
             self.counters.misses += 1
+            self.counters.unreadable += 1
+            self.link.call(self.link.client.delete, key)
             return None
         self.counters.hits += 1
         misses = max(self.counters.misses, 1)
@@ -243,6 +291,11 @@ class CacheCollector:
             "specdraft_dense_cache_saved_seconds",
             "Time the dense query cache saved: hits times the mean cost of a miss",
             c.saved_seconds,
+        )
+        yield CounterMetricFamily(
+            "specdraft_dense_cache_unreadable",
+            "Dense query cache entries that did not parse (counted as misses, and deleted)",
+            c.unreadable,
         )
         errors = self.cache.link.errors if self.cache.link is not None else 0
         yield CounterMetricFamily("specdraft_dense_cache_errors", "Redis errors of the dense cache", errors)

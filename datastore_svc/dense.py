@@ -21,7 +21,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import math
 import threading
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,12 @@ constructor keeps its recursion depth in state shared by threads, so two loads a
 shards of one process loading a version, statistics read beside a load) could fail with a
 spurious "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905).
 Headers are small: nothing waits long."""
+
+STATS_ARRAYS = ("mean", "std", "components", "offset")
+MAX_STATS_BYTES = 32 << 20
+"""The most bytes dense statistics may take, packed and unpacked (a hidden size of 8 192 with 1 024
+PCA dimensions in float32). Statistics come from Redis, a shard or a manifest, none trusted: a
+value over it is refused before anything is decompressed."""
 
 
 # -- statistics: z-score, PCA, L2 ---------------------------------------------------------------
@@ -90,14 +98,15 @@ class DenseStats:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> DenseStats:
-        try:
-            with NPY_HEADERS, np.load(io.BytesIO(data), allow_pickle=False) as z:
-                arrays = {
-                    k: np.asarray(z[k], dtype=np.float32) for k in ("mean", "std", "components", "offset")
-                }
-        except (OSError, ValueError, KeyError) as exc:
-            raise DenseError(f"unreadable dense statistics: {exc}") from None
-        stats = cls(**arrays)
+        """Parse ``to_bytes``'s form, refusing anything else with ``DenseError`` (never another
+        exception): the ``.npz`` is read member by member, each member's declared size checked
+        against ``MAX_STATS_BYTES`` before it is decompressed (and decompression stops there),
+        each array's header checked against its bytes before an array exists.
+
+        Example: a 183 KiB value whose member unpacks to 183 MiB is refused without unpacking it.
+        """
+        arrays = read_npz(data, STATS_ARRAYS, MAX_STATS_BYTES)
+        stats = cls(**{k: v.astype(np.float32) for k, v in arrays.items()})
         stats.check()
         return stats
 
@@ -124,6 +133,8 @@ class DenseStats:
         return cls.from_bytes(data)
 
     def check(self) -> None:
+        if self.mean.ndim != 1 or self.components.ndim != 2 or 0 in self.components.shape:
+            raise DenseError("dense statistics: inconsistent shapes")
         h, d = self.hidden_size, self.dims
         if self.std.shape != (h,) or self.components.shape != (d, h) or self.offset.shape != (d,):
             raise DenseError("dense statistics: inconsistent shapes")
@@ -131,6 +142,60 @@ class DenseStats:
             raise DenseError("dense statistics: non-finite values")
         if (self.std <= 0).any():
             raise DenseError("dense statistics: non-positive standard deviations")
+
+
+def read_npz(data: bytes, names: Sequence[str], max_bytes: int) -> dict[str, np.ndarray]:
+    """The float arrays ``names`` of an untrusted ``.npz`` (``np.savez``'s ``NAME.npy`` members,
+    stored or compressed), in at most ``max_bytes`` packed and unpacked; any other content, a
+    member missing or extra, a size over the bound or a header that does not match its data is a
+    ``DenseError``. ``np.load`` is not used: it allocates what a header declares and decompresses
+    what a member declares, and raises half a dozen exception types on malformed input.
+    """
+    if len(data) > max_bytes:
+        raise DenseError(f"dense statistics of {len(data)} bytes: more than {max_bytes}")
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = {info.filename: info for info in archive.infolist()}
+            if sorted(members) != sorted(f"{name}.npy" for name in names):
+                expected = ", ".join(f"{name}.npy" for name in names)
+                raise DenseError(f"unreadable dense statistics: members other than {expected}")
+            declared = sum(info.file_size for info in members.values())
+            if declared > max_bytes:
+                raise DenseError(f"dense statistics unpack to {declared} bytes: more than {max_bytes}")
+            packed = {info.compress_type for info in members.values()}
+            if not packed <= {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED}:  # lzma, bz2: unbounded steps
+                raise DenseError("dense statistics: packed other than stored or deflated")
+            return {name: _read_npy(_read_member(archive, members[f"{name}.npy"])) for name in names}
+    except DenseError:
+        raise
+    except Exception as exc:  # zipfile, zlib, lzma, bz2, numpy headers: every parse error is one
+        raise DenseError(f"unreadable dense statistics: {type(exc).__name__}") from None
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """A member's bytes, decompressed 64 KiB at a time: ``ZipExtFile`` cuts its output at the
+    declared size (checked by the caller) and checks the CRC at the end, but a single ``read()``
+    would inflate a member whose declared size lies in one piece first."""
+    out = bytearray()
+    with archive.open(info) as member:
+        while chunk := member.read(1 << 16):
+            out += chunk
+    return bytes(out)
+
+
+def _read_npy(raw: bytes) -> np.ndarray:
+    """One ``.npy`` of floats whose header's shape and dtype account for exactly its bytes."""
+    fp = io.BytesIO(raw)
+    with NPY_HEADERS:
+        major, _ = np.lib.format.read_magic(fp)
+        header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = header(fp)
+    body = raw[fp.tell() :]
+    if dtype.kind != "f" or dtype.itemsize not in (4, 8) or dtype.hasobject:
+        raise DenseError(f"dense statistics: {dtype} arrays, not float32 or float64")
+    if math.prod(shape) * dtype.itemsize != len(body):
+        raise DenseError(f"dense statistics: a {shape} array in {len(body)} bytes")
+    return np.frombuffer(body, dtype=dtype).reshape(shape, order="F" if fortran else "C")
 
 
 def fit_stats(sample: np.ndarray, dims: int, eps: float = 1e-6) -> DenseStats:

@@ -1,5 +1,6 @@
 """Utilities every layer shares: atomic writes, the cache directory, file digests, percentiles,
-whether other processes loaded the cores during a measurement, and progress lines of long steps."""
+whether other processes loaded the cores during a measurement, progress lines of long steps, and
+warnings that someone else can trigger at will, logged at a bounded rate."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,6 +57,34 @@ def file_lock(path: str | Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class ThrottledWarning:
+    """A warning logged at most once every ``seconds``; the next one logged says how many were
+    left out. For what untrusted input decides how often happens (a malformed Redis record read
+    by every discovery, a poisoned cache entry read by every draft step).
+
+    Example: ``bad = ThrottledWarning(log, 60)``; ``bad.warn("skipping %s", key)`` 100 times in a
+    minute logs the first; the first a minute later ends with "(99 more since the last)".
+    """
+
+    def __init__(self, logger: logging.Logger, seconds: float = 60.0) -> None:
+        self.logger = logger
+        self.seconds = seconds
+        self._next = 0.0
+        self._left_out = 0
+        self._lock = threading.Lock()
+
+    def warn(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._left_out += 1
+                return
+            left_out, self._left_out, self._next = self._left_out, 0, now + self.seconds
+        if left_out:
+            message, args = f"{message} (%d more since the last)", (*args, left_out)
+        self.logger.warning(message, *args)
 
 
 def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> None:

@@ -103,6 +103,88 @@ def test_stats_survive_bytes_and_manifest_and_refuse_corruption() -> None:
         fit_stats(hidden_like(100), 49)
 
 
+def stats_bomb(unpacked_mib: int, declared_bytes: int | None = None) -> bytes:
+    """An ``.npz`` whose ``mean.npy`` deflates ``unpacked_mib`` MiB of zeros into a few hundred
+    KiB (183 MiB: 183 KiB, as in issue 34); ``declared_bytes`` rewrites the size its central
+    directory declares (a bomb that lies about its size)."""
+    import io
+    import struct
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as archive:
+        header = io.BytesIO()
+        shape = (unpacked_mib << 18,)
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        archive.writestr("mean.npy", header.getvalue() + bytes(unpacked_mib << 20))
+        for name in ("std", "components", "offset"):
+            member = io.BytesIO()
+            np.save(member, np.ones(2, np.float32))
+            archive.writestr(f"{name}.npy", member.getvalue())
+    data = bytearray(buf.getvalue())
+    if declared_bytes is not None:
+        entry = data.index(b"PK\x01\x02")  # mean.npy's central directory entry; its size at +24
+        struct.pack_into("<I", data, entry + 24, declared_bytes)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("declared", [None, 1000], ids=["honest", "lying-size"])
+def test_a_decompression_bomb_is_refused_without_unpacking_it(declared: int | None) -> None:
+    """183 MiB deflated into about 183 KiB: refused before inflating (declared size over
+    ``MAX_STATS_BYTES``) or while inflating (a declared size that lies: inflation stops there),
+    with well under 8 MiB allocated (numpy's own allocations are traced too)."""
+    import tracemalloc
+
+    bomb = stats_bomb(183, declared)
+    assert len(bomb) < 200 * 1024
+    tracemalloc.start()
+    try:
+        with pytest.raises(DenseError, match=r"more than|unreadable"):
+            DenseStats.from_bytes(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB allocated to refuse a bomb"
+
+
+def test_every_malformed_statistics_value_is_a_dense_error() -> None:
+    """Whatever the bytes, ``from_bytes`` raises ``DenseError`` and nothing else (a truncated zip
+    was ``BadZipFile``, a scalar mean ``IndexError``)."""
+    import io
+
+    good = fit_stats(hidden_like(200), 8)
+    data = good.to_bytes()
+    scalar = io.BytesIO()
+    np.savez(
+        scalar, mean=np.float32(1), std=np.ones(3, np.float32), components=np.ones((2, 3)), offset=np.ones(2)
+    )
+    compressed = io.BytesIO()
+    np.savez_compressed(
+        compressed, mean=good.mean, std=good.std, components=good.components, offset=good.offset
+    )
+    assert DenseStats.from_bytes(compressed.getvalue()).digest() == good.digest()
+    wrong_dtype = io.BytesIO()
+    np.savez(
+        wrong_dtype,
+        mean=good.mean.astype(np.int32),
+        std=good.std,
+        components=good.components,
+        offset=good.offset,
+    )
+    for bad in (
+        b"",
+        b"PK\x03\x04" + b"\x00" * 64,
+        data[:-10],
+        data[: len(data) // 2],
+        data.replace(b"mean.npy", b"mean.npz"),
+        scalar.getvalue(),
+        wrong_dtype.getvalue(),
+        b"\x00" * (33 << 20),  # over MAX_STATS_BYTES
+    ):
+        with pytest.raises(DenseError):
+            DenseStats.from_bytes(bad)
+
+
 # -- indexes -----------------------------------------------------------------------------------
 
 

@@ -484,3 +484,126 @@ def test_out_of_vocabulary_drafts_planted_in_redis_change_nothing(setup, redis_s
     res = engine.generate(GenerationRequest(tuple(prompt), 40, "dresd", stop_at_eos=False))
     assert res.token_ids == refs[0]
     assert cache.counters.hits > 0 and engine.dropped_drafts > 0
+
+
+def test_a_poisoned_statistics_entry_costs_one_miss_and_is_replaced(setup, redis_server: RedisServer) -> None:
+    """Each poison planted where a worker reads a version's statistics (a truncated zip, a
+    decompression bomb, a hash where a string belongs) is read once: counted, deleted, replaced
+    with the datastore's own statistics, without taking Redis for down; the next worker reads
+    the good value from Redis."""
+    _, _, version, _, _ = setup
+    good = version.dense_stats
+    assert good is not None
+    client = RedisLink(redis_server.url).client
+    key = StatsCache.key("v")
+    poisons = {
+        "truncated": lambda: client.set(key, good.to_bytes()[:-10]),
+        "bomb": lambda: client.set(key, _deflated_zeros(64)),
+        "wrong type": lambda: client.hset(key, mapping={"x": "y"}),
+    }
+    asked: list[str] = []
+
+    def fallback(v: str) -> object:
+        asked.append(v)
+        return good
+
+    def forbid(v: str) -> None:
+        raise AssertionError("the poison was not replaced in redis")
+
+    for name, plant in poisons.items():
+        client.delete(key)
+        plant()
+        asked.clear()
+        link = RedisLink(redis_server.url)
+        cache = StatsCache(link)
+        stats = cache.get("v", fallback)
+        assert stats is not None and stats.digest() == good.digest(), name
+        assert (cache.unreadable, cache.redis_hits, asked, link.errors) == (1, 0, ["v"], 0), name
+        assert cache.get("v", fallback) is stats and asked == ["v"], name  # held in process now
+        again = StatsCache(RedisLink(redis_server.url))
+        replaced = again.get("v", forbid)
+        assert replaced is not None and replaced.digest() == good.digest(), name
+        assert (again.redis_hits, again.unreadable) == (1, 0), name
+
+
+def _deflated_zeros(mib: int) -> bytes:
+    """An ``.npz``-looking zip whose first member inflates to ``mib`` MiB of zeros."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("mean.npy", bytes(mib << 20))
+    return buf.getvalue()
+
+
+def test_a_poisoned_query_cache_entry_costs_one_miss_and_is_replaced(
+    setup, redis_server: RedisServer
+) -> None:
+    """Cached queries that do not parse (numbers JSON allows but ``int`` refuses, a string where
+    a hash belongs, a hash over the size this cache stores) are misses, counted and deleted; the
+    worker's own result then takes the key, and the next read hits."""
+    from datastore_svc.cache import encode_result
+    from datastore_svc.dense import DenseCandidate, DenseRetrieval
+
+    link = RedisLink(redis_server.url)
+    queries = QueryCache(link, ttl=60)
+    client = link.client
+    key = queries.key("v", CFG, np.arange(12))
+    good = DenseRetrieval((DenseCandidate((5, 6, 7), 0.9, 1),), 3, 1)
+    query = np.ones(4, np.float32)
+    poisons = {
+        "infinite count": lambda: client.hset(key, mapping={"q": b"", "r": b'{"c": [], "s": 1e999, "m": 0}'}),
+        "deep nesting": lambda: client.hset(key, mapping={"q": b"", "r": b"[" * 5000}),
+        "wrong type": lambda: client.set(key, b"x"),
+        "too big": lambda: client.hset(key, mapping={**encode_result(query, good), "pad": bytes(20_000)}),
+    }
+    for n, (name, plant) in enumerate(poisons.items(), start=1):
+        client.delete(key)
+        plant()
+        assert queries.get(key) is None, name
+        assert (queries.counters.unreadable, queries.counters.misses, link.errors) == (n, n, 0), name
+        assert not client.exists(key), name
+        queries.put(key, query, good, 0.01)
+        assert queries.get(key) == good, name
+
+
+def test_load_version_with_malformed_statistics_is_failed_precondition(setup) -> None:
+    """A version whose manifest carries statistics that are not a readable ``.npz`` (checksum
+    updated, so only the content is wrong): FAILED_PRECONDITION, never INTERNAL, and the shard
+    keeps its version."""
+    import base64
+    import hashlib
+    import io
+    import json
+    import shutil
+
+    _, _, version, root, _ = setup
+    assert version.dense_stats is not None
+    scalar = io.BytesIO()
+    np.savez(scalar, mean=np.float32(1), std=np.ones(3), components=np.ones((2, 3)), offset=np.ones(2))
+    bad_stats = {
+        "v-stats-truncated": version.dense_stats.to_bytes()[:-10],  # was BadZipFile
+        "v-stats-scalar": scalar.getvalue(),  # was IndexError
+    }
+    for name, data in bad_stats.items():
+        if not (root / name).exists():
+            shutil.copytree(root / "v", root / name)
+            manifest = json.loads((root / name / "manifest.json").read_text())
+            manifest["version"] = name
+            manifest["dense"]["stats"]["npz_base64"] = base64.b64encode(data).decode()
+            manifest["dense"]["stats"]["sha256"] = hashlib.sha256(data).hexdigest()
+            (root / name / "manifest.json").write_text(json.dumps(manifest))
+    server = ShardThread(ShardState.open(root / "v", 0))
+    try:
+        with ADMIN.channel(server.admin_address) as channel:
+            admin = datastore_pb2_grpc.DatastoreAdminStub(channel)
+            for name in bad_stats:
+                with pytest.raises(grpc.RpcError) as err:
+                    admin.LoadVersion(datastore_pb2.LoadVersionRequest(version=name), timeout=30)
+                details = err.value.details() or ""
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (name, details)
+                assert "dense statistics" in details and str(root) not in details, details
+        assert server.state.current_version() == "v"
+    finally:
+        server.stop()

@@ -332,16 +332,11 @@ def test_training_loss_falls_and_resume_continues(
     report_accuracy, positions = trained.evaluate()
     assert len(report_accuracy) == trained.net_cfg.max_block and max(report_accuracy) > 0 and positions
     seqs = own_sequences(model, 6, seed=1, layer=trained.net_cfg.prompt_layer)
-    make = (
-        lambda steps, **kw: EddTrainer(  # noqa: E731
-            trained.net_cfg,
-            model,
-            trained.d2t,
-            seqs,
-            seqs[:2],
-            EddTrainConfig(steps=steps, tokens_per_batch=512, eval_every=2, **kw),
-        )
-    )
+
+    def make(steps: int, **kw: Any) -> EddTrainer:
+        cfg = EddTrainConfig(steps=steps, tokens_per_batch=512, eval_every=2, **kw)
+        return EddTrainer(trained.net_cfg, model, trained.d2t, seqs, seqs[:2], cfg)
+
     first = make(3)
     first.fit(tmp_path / "state.pt")
     resumed = make(5)

@@ -43,6 +43,35 @@ def test_publish_discover_by_mode_and_expire(kind: str, request: pytest.FixtureR
     wait_until(lambda: registry.workers() == [], 10, what="the record expires without heartbeats")
 
 
+def test_poisoned_records_are_skipped_counted_and_logged_once(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Records planted by someone who may write to Redis: a negative load (it sorted first for
+    every client), a load that is not a number (discovery raised TypeError), an address that is
+    not host:port, a record under another worker's key, and one that is not JSON. Discovery
+    returns the honest worker alone, counts the five, and logs one line for them."""
+    import json
+
+    registry = RedisRegistry(redis_server.url, namespace="poison", ttl=30.0)
+    registry.publish(record("honest", ("pld",), load=2))
+    fields = json.loads(record("x", ("pld",)).to_json())
+    planted = {
+        "negative": {**fields, "worker_id": "negative", "load": -5},
+        "text-load": {**fields, "worker_id": "text-load", "load": "x"},
+        "bad-address": {**fields, "worker_id": "bad-address", "address": "evil.example:0"},
+        "other-key": {**fields, "worker_id": "honest"},
+    }
+    for worker_id, data in planted.items():
+        registry.client.set(registry._key(worker_id), json.dumps(data), px=30_000)
+    registry.client.set(registry._key("not-json"), b"\xff{", px=30_000)
+    with caplog.at_level(logging.WARNING, logger="llm_worker.registry"):
+        assert discover(registry, "pld") == [record("honest", ("pld",)).address]
+        assert registry.skipped == 5
+        assert [r.worker_id for r in registry.workers()] == ["honest"]  # the second scan
+    assert registry.skipped == 10
+    assert caplog.text.count("skipping a malformed worker record") == 1, caplog.text
+
+
 def test_open_registry_urls() -> None:
     assert isinstance(open_registry(None), InProcessRegistry)
     with pytest.raises(ValueError, match="redis://"):
