@@ -30,7 +30,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from datastore_svc.cache import StatsCache, link_for
 from datastore_svc.dense import DenseConfig, DenseRetrieval, DenseSource
@@ -43,8 +43,14 @@ from datastore_svc.shard import (
     VersionNotLoaded,
 )
 from datastore_svc.store import DatastoreError
-from specdraft.guard import Guard
-from specdraft.security import ServerSecurity, connection_options, health_only_server, listen
+from specdraft.guard import Guard, refusals_counter
+from specdraft.security import (
+    ServerSecurity,
+    connection_options,
+    health_only_server,
+    listen,
+    serve_metrics,
+)
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -117,10 +123,7 @@ class ShardMetrics:
             registry=r,
         )
         self.pending = Gauge("specdraft_datastore_pending", "Retrievals waiting or running", registry=r)
-
-    def serve(self, port: int, host: str) -> int:
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        self.auth_refusals = refusals_counter(r)
 
 
 def sparse_config_from(msg: datastore_pb2.RetrieveRequest, defaults: RetrievalConfig) -> RetrievalConfig:
@@ -434,7 +437,7 @@ class ShardServer:
         def observe(method: str, code: str) -> None:
             self.metrics.requests.labels(method, code).inc()
 
-        guard = Guard(cfg.security, roles, observe)  # type: ignore[arg-type]
+        guard = Guard(cfg.security, roles, observe, self.metrics.auth_refusals)  # type: ignore[arg-type]
         options = [("grpc.so_reuseport", 0), *connection_options(cfg.max_connection_age_seconds)]
         self.server = grpc.aio.server(options=options, interceptors=[guard])
         self.servicer = DatastoreServicer(state, cfg, self.metrics)
@@ -464,13 +467,15 @@ class ShardServer:
             await self.admin_server.start()
         if self.cfg.health_port is not None:
             self.health_server, self.health_port = health_only_server(
-                self.cfg.host, self.cfg.health_port, self.health
+                self.cfg.host, self.cfg.health_port, self.health, self.cfg.security
             )
             await self.health_server.start()
         await self.server.start()
         await asyncio.to_thread(self.admin.publish_stats)
         if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
+            self.metrics_port = serve_metrics(
+                self.metrics.registry, self.cfg.host, self.cfg.metrics_port, self.cfg.security
+            )
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self.port

@@ -15,10 +15,13 @@ A dense version's manifest also holds the z-score / PCA statistics that turn the
 hidden state into a query (``datastore_svc.dense``, built by ``datastore_svc.dense_build``).
 The manifest's fields and their types: ``datastore_svc.manifest``.
 
-A build writes everything into a hidden temporary directory beside ``VERSION`` and renames it
-into place last, so a crashed build never leaves a half-written version; an existing version is
-never overwritten. Opening a version checks the format, every file's size and SHA-256, the
-arrays' shapes and (when asked) that the tokenizer is the one the caller uses.
+A build writes everything into a hidden temporary directory beside ``VERSION``, flushes it to
+disk and renames it into place last, so a crashed build never leaves a half-written version; an
+existing version is never overwritten. Builds into one directory take turns (a lock file,
+``BUILD_LOCK``), and each removes the temporary directories that killed builds left there.
+Opening a version checks the format, that every file lies inside the version's directory (no
+symlink out of it), every file's size and SHA-256, the arrays' shapes and (when asked) that the
+tokenizer is the one the caller uses.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -59,7 +63,7 @@ from datastore_svc.manifest import (
 from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
 from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
-from specdraft.common import sha256_file, temp_sibling
+from specdraft.common import file_lock, fsync_path, fsync_tree, sha256_file, temp_sibling
 from specdraft.tokenizer import Tokenizer
 
 FORMAT = "specdraft-datastore"
@@ -67,6 +71,8 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 ARRAYS = ("tokens", "sa", "docs")
 DENSE_FILES = ("dense.faiss", "positions.npy")
+BUILD_LOCK = ".specdraft-build.lock"
+"""The lock file builds into one directory take turns on (``_building``)."""
 
 Extend = Callable[[Path, Manifest], DenseEntry]
 """The build step after the token arrays exist in the temporary directory: the dense index. It
@@ -214,11 +220,27 @@ def write_version(
     ``separator`` must exceed every token id (the tokenizer's size); ``tokenizer`` is its
     identity (``tokenizer_identity``); ``extend`` adds more (the dense index) before the rename.
     """
-    from tqdm import tqdm
-
     out = Path(out)
     _check_new(out, shards)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _building(out.parent):
+        return _write_version(docs, out, separator, tokenizer, shards, model_name, source, progress, extend)
+
+
+def _write_version(
+    docs: Sequence[np.ndarray],
+    out: Path,
+    separator: int,
+    tokenizer: TokenizerIdentity,
+    shards: int,
+    model_name: str,
+    source: BuildInfo | None,
+    progress: bool,
+    extend: Extend | None,
+) -> BuildReport:
+    from tqdm import tqdm
+
+    _check_new(out, shards)  # again, under the lock: another build may have made it meanwhile
     tmp = temp_sibling(out)
     seconds = {"suffix_array": 0.0, "write": 0.0}
     try:
@@ -291,7 +313,21 @@ def _file_entry(path: Path) -> FileEntry:
 
 def _finish(tmp: Path, out: Path, manifest: Manifest) -> None:
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    fsync_tree(tmp)  # on disk before the name appears: a crash never leaves empty or short files
     os.rename(tmp, out)  # the version appears whole, or not at all
+    fsync_path(out.parent)
+
+
+@contextmanager
+def _building(parent: Path) -> Iterator[None]:
+    """Hold ``parent``'s build lock for the block, after removing the hidden temporary
+    directories (``.NAME.tmp-PID-RANDOM``, ``temp_sibling``) of builds that were killed there:
+    a build still running would hold the lock, so any found now is a leftover."""
+    with file_lock(parent / BUILD_LOCK):
+        for leftover in parent.glob(".*.tmp-*"):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+        yield
 
 
 def derive_version(source: str | Path, out: str | Path, extend: Extend) -> Path:
@@ -306,6 +342,13 @@ def derive_version(source: str | Path, out: str | Path, extend: Extend) -> Path:
         open_shard(source, manifest, int(entry["index"]), verify=True, dense=False)
     _check_new(out, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _building(out.parent):
+        _check_new(out, 1)
+        _derive(source, out, manifest, extend)
+    return out
+
+
+def _derive(source: Path, out: Path, manifest: Manifest, extend: Extend) -> None:
     tmp = temp_sibling(out)
     try:
         for entry in manifest["shards"]:
@@ -327,7 +370,6 @@ def derive_version(source: str | Path, out: str | Path, extend: Extend) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _library_version() -> str:
@@ -346,6 +388,7 @@ def read_manifest(path: Path) -> Manifest:
     if not path.is_dir():
         raise DatastoreError(f"{path} is not a datastore version directory")
     try:
+        _inside(path, file)
         manifest = json.loads(file.read_text())
     except FileNotFoundError:
         raise DatastoreError(f"{path} has no {MANIFEST} (a partial or foreign directory)") from None
@@ -390,6 +433,14 @@ class Shard:
         )
 
 
+def _inside(path: Path, file: Path) -> None:
+    """Refuse ``file`` unless it resolves inside the version directory ``path``: a version is
+    one self-contained directory, and a symlink out of it (to another version, or anywhere on
+    the disk) would load what no build of this version wrote."""
+    if not file.resolve().is_relative_to(path.resolve()):
+        raise DatastoreError(f"{file} leads outside its version directory (a symlink); not loaded")
+
+
 def _checked_file(path: Path, entry: ShardEntry, index: int, name: str, verify: bool) -> Path:
     sdir = path / shard_dir(index)
     file = sdir / name
@@ -398,6 +449,7 @@ def _checked_file(path: Path, entry: ShardEntry, index: int, name: str, verify: 
         raise DatastoreError(f"{path}: the manifest lists no {name} for shard {index}")
     if not file.exists():
         raise DatastoreError(f"{file} is missing (a partial version)")
+    _inside(path, file)
     if file.stat().st_size != expected["bytes"]:
         raise DatastoreError(f"{file}: {file.stat().st_size} bytes, the manifest says {expected['bytes']}")
     if verify and sha256_file(file) != expected["sha256"]:

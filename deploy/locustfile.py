@@ -72,6 +72,12 @@ def _options(parser: Any) -> None:
     parser.add_argument(
         "--grpc-token-file", default="", help="bearer token to send (default: $SPECDRAFT_TOKEN)"
     )
+    parser.add_argument(
+        "--grpc-insecure",
+        action="store_true",
+        default=False,
+        help="send the token in plaintext to a non-loopback address",
+    )
 
 
 def worker_addresses(host: str | None, state_dir: str = "") -> list[str]:
@@ -190,6 +196,7 @@ def _security(opts: Any) -> ClientSecurity:
         cert=getattr(opts, "grpc_tls_cert", "") or None,
         key=getattr(opts, "grpc_tls_key", "") or None,
         token=tokens[0] if tokens else None,
+        insecure=bool(getattr(opts, "grpc_insecure", False)),
     )
 
 

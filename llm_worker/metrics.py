@@ -1,6 +1,7 @@
 """Prometheus metrics of a worker, separate from the servicer and from logging.
 
-Exposed over HTTP by ``serve(port)`` (``/metrics``). Names follow Prometheus conventions:
+Exposed on ``/metrics`` by ``specdraft.security.serve_metrics`` (HTTPS on a TLS
+server). Names follow Prometheus conventions:
 ``_total`` counters, ``_seconds`` histograms, labels kept low-cardinality (the mode's registered
 name, not its option string).
 """
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from llm_worker.batching import BatchRecord
 from llm_worker.config import DEFAULT_MODE
 from llm_worker.drafters import DRAFTERS, parse_mode
 from llm_worker.stats import GenerationStats
+from specdraft.guard import refusals_counter
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0)
@@ -96,6 +98,7 @@ class WorkerMetrics:
             buckets=(0, 0.5, 1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )
+        self.auth_refusals = refusals_counter(r)
 
     def observe_request(self, mode: str, method: str, status: str, seconds: float) -> None:
         label = mode_label(mode)
@@ -121,8 +124,3 @@ class WorkerMetrics:
         """One forward of the batch scheduler."""
         self.batch_requests.observe(record.requests)
         self.batch_rows.observe(record.rows)
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Expose /metrics over HTTP; returns the port (0 picks a free one)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)

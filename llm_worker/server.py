@@ -41,7 +41,13 @@ from llm_worker.results import GenerationResult, to_response
 from llm_worker.textstream import TextStream
 from llm_worker.worker import BadRequest, Worker, WorkRequest
 from specdraft.guard import Guard
-from specdraft.security import ServerSecurity, connection_options, health_only_server, listen
+from specdraft.security import (
+    ServerSecurity,
+    connection_options,
+    health_only_server,
+    listen,
+    serve_metrics,
+)
 from specdraft.stubs import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -353,7 +359,7 @@ class WorkerServer:
             ("grpc.so_reuseport", 0),
             *connection_options(cfg.max_connection_age_seconds),
         ]
-        guard = Guard(cfg.security, {SERVICE_NAME: "client"})
+        guard = Guard(cfg.security, {SERVICE_NAME: "client"}, refusals=self.metrics.auth_refusals)
         self.server = grpc.aio.server(options=options, interceptors=[guard])
         self.servicer = GenerationServicer(worker, cfg, self.metrics)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
@@ -380,11 +386,13 @@ class WorkerServer:
         await self.server.start()
         if self.cfg.health_port is not None:
             self.health_server, self.health_port = health_only_server(
-                self.cfg.host, self.cfg.health_port, self.health
+                self.cfg.host, self.cfg.health_port, self.health, self.cfg.security
             )
             await self.health_server.start()
         if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
+            self.metrics_port = serve_metrics(
+                self.metrics.registry, self.cfg.host, self.cfg.metrics_port, self.cfg.security
+            )
         if self.registry is not None:
             self.modes = tuple(await asyncio.to_thread(self.worker.available_modes))
             await self._publish()

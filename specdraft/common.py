@@ -27,20 +27,42 @@ def temp_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
 
 
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's or a directory's data and metadata to disk (``os.fsync``); a directory's
+    fsync makes the names created or renamed in it durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """``fsync_path`` every file and directory under ``root`` (``root`` last), so that a rename
+    of ``root`` that follows publishes content already on disk: after a crash the new name holds
+    the whole tree, not empty or short files."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(Path(directory) / name)
+        fsync_path(directory)
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary file name beside ``path``; when the block ends without an error the
-    file is renamed over ``path``, otherwise removed. A reader sees the old file or the new one,
-    never half of one."""
+    file is flushed to disk and renamed over ``path`` (then the directory is flushed), otherwise
+    removed. A reader sees the old file or the new one, never half of one, even after a crash."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
     try:
         yield tmp
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fsync_path(path.parent)
 
 
 @contextmanager
@@ -68,15 +90,18 @@ class ThrottledWarning:
     minute logs the first; the first a minute later ends with "(99 more since the last)".
     """
 
-    def __init__(self, logger: logging.Logger, seconds: float = 60.0) -> None:
+    def __init__(
+        self, logger: logging.Logger, seconds: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.logger = logger
         self.seconds = seconds
-        self._next = 0.0
+        self.clock = clock
+        self._next = float("-inf")
         self._left_out = 0
         self._lock = threading.Lock()
 
     def warn(self, message: str, *args: object) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             if now < self._next:
                 self._left_out += 1

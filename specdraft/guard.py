@@ -6,7 +6,9 @@ what an unexpected exception becomes.
   ``client``: open when the server has no tokens; otherwise any accepted token (admin tokens
   too). ``admin``: an admin token, or a mutual-TLS client certificate whose name is on the allow
   list; never open. No credentials or a wrong token: UNAUTHENTICATED; a valid token of
-  another role: PERMISSION_DENIED.
+  another role: PERMISSION_DENIED. Every refusal is counted (``refusals_counter``:
+  ``specdraft_auth_refusals_total{role, status}``) and logged, at most one line every
+  ``REFUSAL_LOG_SECONDS`` (the method, the peer and the reason; never a token).
 - **Malformed requests** (bytes that do not parse, invalid UTF-8 in a string field):
   INVALID_ARGUMENT, before the servicer sees anything.
 - **Unexpected exceptions**: INTERNAL with an opaque error id; the detail goes to the server log
@@ -21,7 +23,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter
 
+from specdraft.common import ThrottledWarning
 from specdraft.security import ServerSecurity, token_matches
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,20 @@ log = logging.getLogger(__name__)
 Role = Literal["client", "admin"]
 Observer = Callable[[str, str], None]
 """Called with (method, status code name) for every call the guard itself ends."""
+REFUSAL_LOG_SECONDS = 10.0
+"""At most one log line of refused calls this often; the next line counts those held back."""
+
+
+def refusals_counter(registry: CollectorRegistry) -> Counter:
+    """``specdraft_auth_refusals_total{role, status}`` in ``registry``: calls the guard refused
+    for their credentials, by the role the service needs (``client``, ``admin``) and the status
+    (``UNAUTHENTICATED``, ``PERMISSION_DENIED``)."""
+    return Counter(
+        "specdraft_auth_refusals",
+        "Calls refused for their credentials, by the role the service needs and the status",
+        ["role", "status"],
+        registry=registry,
+    )
 
 
 def _method_parts(full: str) -> tuple[str, str]:
@@ -58,11 +76,18 @@ class Guard(grpc.aio.ServerInterceptor):
     """Access, request parsing and opaque internal errors for the services in ``roles``."""
 
     def __init__(
-        self, security: ServerSecurity, roles: Mapping[str, Role], observe: Observer | None = None
+        self,
+        security: ServerSecurity,
+        roles: Mapping[str, Role],
+        observe: Observer | None = None,
+        refusals: Counter | None = None,
     ) -> None:
+        """``refusals``: the server's ``refusals_counter`` (None = counted nowhere)."""
         self.security = security
         self.roles = dict(roles)
         self.observe = observe
+        self.refusals = refusals
+        self.refusal_log = ThrottledWarning(log, REFUSAL_LOG_SECONDS)
 
     # -- access -------------------------------------------------------------------------------
 
@@ -151,7 +176,11 @@ class Guard(grpc.aio.ServerInterceptor):
         if role is not None:
             refused = self.refusal(role, context)
             if refused is not None:
-                await self._end(context, method, *refused)
+                code, reason = refused
+                if self.refusals is not None:
+                    self.refusals.labels(role, code.name).inc()
+                self.refusal_log.warn("refused %s from %s: %s %s", method, context.peer(), code.name, reason)
+                await self._end(context, method, code, reason)
         if decode is None:
             return raw
         try:

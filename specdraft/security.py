@@ -4,12 +4,17 @@ bearer tokens, and the rule that decides when plaintext is allowed.
 Servers
     ``ServerSecurity`` holds the PEM files (``--tls-cert --tls-key``; ``--tls-ca`` also asks every
     client for a certificate signed by that CA: mutual TLS) and the bearer tokens it accepts.
-    ``listen`` binds a port with them. Plaintext without a token check is allowed on loopback
-    only; any other address needs ``insecure=True`` (``--insecure``) and logs a warning.
+    ``listen`` binds a gRPC port with them, ``health_only_server`` a plaintext port of health
+    alone (for probes that speak no TLS), ``serve_metrics`` the Prometheus endpoint (HTTPS with
+    the server's certificate when it has one). Every one of them passes ``check_exposure``:
+    plaintext is allowed on loopback; on any other address it needs ``insecure=True``
+    (``--insecure``) and logs a warning — with or without tokens, since a token sent in
+    plaintext is anyone's who can read the link.
 Clients
     ``ClientSecurity`` holds the CA that signs the servers' certificates, the client's own
     certificate and key (mutual TLS) and the token it sends (``authorization: Bearer TOKEN``).
-    ``channel`` / ``aio_channel`` open channels with them.
+    ``channel`` / ``aio_channel`` open channels with them, and refuse to send a token over
+    plaintext to a non-loopback address unless ``insecure=True`` (a warning then).
 Tokens
     From a file (one token per line; blank lines and ``#`` comments skipped) or an environment
     variable. A server compares every token it knows in constant time (``hmac.compare_digest``).
@@ -94,6 +99,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def target_hosts(address: str) -> list[str]:
+    """The hosts a gRPC target names: ``"10.0.0.5:50051"`` → ``["10.0.0.5"]``, ``"[::1]:50051"``
+    → ``["::1"]``, ``"dns:///w.example:443"`` → ``["w.example"]``, ``"ipv4:127.0.0.1:1,10.0.0.5:2"``
+    → both hosts; a Unix socket (``"unix:/run/s.sock"``) is ``["localhost"]``."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return ["localhost"]
+    if "://" in address:  # dns://[authority]/host:port
+        address = address.split("://", 1)[1].split("/", 1)[-1]
+    elif address.startswith(("ipv4:", "ipv6:", "dns:")):
+        address = address.split(":", 1)[1]
+    hosts = []
+    for item in address.split(","):
+        if item.startswith("["):
+            hosts.append(item[1:].partition("]")[0])
+        elif item.count(":") == 1:
+            hosts.append(item.rpartition(":")[0])
+        else:  # a bare name, or an IPv6 address without a port
+            hosts.append(item)
+    return hosts
+
+
 @dataclass(frozen=True)
 class ServerSecurity:
     """How a server authenticates its transport and its callers."""
@@ -111,7 +137,7 @@ class ServerSecurity:
     admin_names: tuple[str, ...] = ()
     """Client-certificate names (common name or subject alternative name) that are admins."""
     insecure: bool = False
-    """Allow plaintext without tokens on a non-loopback address (logged as a warning)."""
+    """Allow plaintext (with or without tokens) on a non-loopback address (logged as a warning)."""
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
@@ -140,24 +166,35 @@ class ServerSecurity:
         return "+".join(parts)
 
 
-def check_exposure(host: str, security: ServerSecurity) -> bool:
-    """Whether serving on ``host`` with ``security`` exposes an unauthenticated plaintext port
-    (allowed only with ``security.insecure``; SecurityError otherwise)."""
-    if is_loopback(host) or security.tls or security.tokens:
-        return False
+def check_exposure(host: str, security: ServerSecurity, listener: str = "gRPC") -> str | None:
+    """What serving ``listener`` (a name for messages: "gRPC", "metrics", "health") on ``host``
+    exposes: None when nothing (loopback, or the server has TLS), else the warning to log, which
+    only ``security.insecure`` allows (SecurityError otherwise).
+
+    Examples: ``("127.0.0.1", ServerSecurity())`` → None; ``("0.0.0.0", ServerSecurity(cert=...,
+    key=...))`` → None; ``("0.0.0.0", ServerSecurity(tokens=(t,)))`` → SecurityError (the token
+    would travel in cleartext); the same with ``insecure=True`` → "serving gRPC in plaintext on
+    0.0.0.0 with bearer tokens in cleartext (--insecure)". A health-only port is plaintext
+    whatever the server's TLS (it carries no token and tells only SERVING / NOT_SERVING), so on
+    a TLS server it passes; the metrics endpoint is served over TLS when the server has it.
+    """
+    if is_loopback(host) or security.tls:
+        return None
+    what = "with bearer tokens in cleartext" if security.tokens else "without authentication"
     if not security.insecure:
         raise SecurityError(
-            f"refusing to serve plaintext without a token check on {host}: give --tls-cert/--tls-key "
-            "(and --tls-ca for mutual TLS) or --token-file, or --insecure to accept the risk"
+            f"refusing to serve {listener} in plaintext on {host} {what}: give --tls-cert/--tls-key "
+            "(and --tls-ca for mutual TLS), or --insecure to accept the risk"
         )
-    return True
+    return f"serving {listener} in plaintext on {host} {what} (--insecure)"
 
 
 def listen(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity) -> int:
-    """Add ``host:port`` to ``server`` with ``security``; the bound port. Refuses plaintext
-    without a token check on a non-loopback address unless ``security.insecure``."""
-    if check_exposure(host, security):
-        log.warning("serving plaintext without authentication on %s:%d (--insecure)", host, port)
+    """Add ``host:port`` to ``server`` with ``security``; the bound port. Refuses plaintext on a
+    non-loopback address unless ``security.insecure`` (``check_exposure``)."""
+    warning = check_exposure(host, security)
+    if warning:
+        log.warning("%s, port %d", warning, port)
     address = f"{host}:{port}"
     bound = (
         server.add_secure_port(address, security.credentials())
@@ -169,17 +206,40 @@ def listen(server: grpc.aio.Server, host: str, port: int, security: ServerSecuri
     return int(bound)
 
 
-def health_only_server(host: str, port: int, health: Any) -> tuple[grpc.aio.Server, int]:
+def health_only_server(
+    host: str, port: int, health: Any, security: ServerSecurity
+) -> tuple[grpc.aio.Server, int]:
     """A plaintext server of ``health`` (a ``grpc.health.v1`` servicer) alone, for probes that
-    cannot speak TLS (Kubernetes' gRPC probes): it tells nothing but SERVING / NOT_SERVING."""
+    cannot speak TLS (Kubernetes' gRPC probes): it tells nothing but SERVING / NOT_SERVING.
+    Under ``check_exposure`` like every listener: public beside a TLS server, otherwise only
+    on loopback or with ``--insecure``."""
     from grpc_health.v1 import health_pb2_grpc
 
+    warning = check_exposure(host, security, "health")
+    if warning:
+        log.warning("%s, port %d", warning, port)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return server, int(bound)
+
+
+def serve_metrics(registry: Any, host: str, port: int, security: ServerSecurity) -> int:
+    """Serve ``registry`` (a ``prometheus_client.CollectorRegistry``) on ``host:port``
+    ``/metrics`` from a thread; the bound port (0 picks a free one). HTTPS with the server's
+    certificate when it has one (no client certificate asked: the scraper is not a gRPC client);
+    plaintext otherwise, under ``check_exposure`` like the gRPC ports."""
+    from prometheus_client import start_http_server
+
+    warning = check_exposure(host, security, "metrics")
+    if warning:
+        log.warning("%s, port %d", warning, port)
+    server, _ = start_http_server(
+        port, addr=host, registry=registry, certfile=security.cert, keyfile=security.key
+    )
+    return int(server.server_port)
 
 
 def connection_options(max_connection_age_seconds: float) -> list[tuple[str, int]]:
@@ -218,10 +278,25 @@ class ClientSecurity:
     server_name: str | None = None
     """The name to check the server's certificate against, if not the address's host."""
     options: tuple[tuple[str, Any], ...] = field(default=())
+    insecure: bool = False
+    """Send the token over plaintext to a non-loopback address (logged as a warning)."""
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
             raise SecurityError("--tls-cert and --tls-key go together")
+
+    def check_plaintext(self, address: str) -> None:
+        """Refuse (SecurityError) to send the token in plaintext to ``address`` unless its host
+        is loopback (``target_hosts``) or ``insecure``; a warning then. Nothing to check
+        without a token or with TLS."""
+        if not self.token or self.uses_tls or all(is_loopback(h) for h in target_hosts(address)):
+            return
+        if not self.insecure:
+            raise SecurityError(
+                f"refusing to send a bearer token in plaintext to {address[:200]}: give --tls or "
+                "--tls-ca, or --insecure to accept the risk"
+            )
+        log.warning("sending a bearer token in plaintext to %s (--insecure)", address[:200])
 
     @property
     def uses_tls(self) -> bool:
@@ -244,6 +319,7 @@ class ClientSecurity:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        self.check_plaintext(address)
         opts = self._options(options)
         if self.uses_tls:
             channel = grpc.secure_channel(address, self._credentials(), options=opts)
@@ -254,6 +330,7 @@ class ClientSecurity:
         return channel
 
     def aio_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+        self.check_plaintext(address)
         opts = self._options(options)
         interceptors = (
             [_AioUnaryToken(self.metadata()), _AioStreamToken(self.metadata())] if self.token else None

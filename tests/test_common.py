@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,6 +40,30 @@ def test_a_failed_write_keeps_the_old_file_and_removes_the_temp(tmp_path: Path) 
         raise RuntimeError("interrupted")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_an_atomic_write_is_on_disk_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def record_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def record_replace(src: Any, dst: Any) -> None:
+        events.append(("replace", str(src)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "replace", record_replace)
+    atomic_write_text(tmp_path / "f.json", "{}")
+    ((kind, tmp),) = [e for e in events if e[0] == "replace"]
+    assert events.index(("fsync", tmp)) < events.index((kind, tmp))  # the data, then the name
+    assert events[-1] == ("fsync", str(tmp_path))  # and the name itself
 
 
 def test_temp_siblings_are_hidden_and_distinct(tmp_path: Path) -> None:

@@ -333,14 +333,142 @@ def test_plaintext_on_a_public_address_needs_insecure(root: Path, caplog: pytest
         asyncio.run(start(ServerSecurity()))
     with caplog.at_level(logging.WARNING, logger="specdraft.security"):
         asyncio.run(start(ServerSecurity(insecure=True)))
-    assert any("plaintext without authentication" in r.getMessage() for r in caplog.records)
-    asyncio.run(start(ServerSecurity(tokens=(CLIENT_TOKEN,))))  # a token check is enough
+    assert any("plaintext on 0.0.0.0 without authentication" in r.getMessage() for r in caplog.records)
+    # a token alone is no protection in plaintext: anyone on the path reads it (issue 34)
+    with pytest.raises(SecurityError, match=r"bearer tokens in cleartext.*--insecure"):
+        asyncio.run(start(ServerSecurity(tokens=(CLIENT_TOKEN,))))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdraft.security"):
+        asyncio.run(start(ServerSecurity(tokens=(CLIENT_TOKEN,), insecure=True)))
+    assert any("bearer tokens in cleartext (--insecure)" in r.getMessage() for r in caplog.records)
 
 
-def test_the_cli_refuses_a_public_plaintext_shard(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_refuses_a_public_plaintext_shard(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ["serve", "datastore", "--datastore", str(root / "v1"), "--host", "0.0.0.0", "--port", "0"]
     assert main(args) == 2
     assert "--insecure" in capsys.readouterr().err
+    tokens = tmp_path / "tokens"
+    tokens.write_text(CLIENT_TOKEN + "\n")
+    assert main([*args, "--token-file", str(tokens)]) == 2  # a token-only server too
+    assert "bearer tokens in cleartext" in capsys.readouterr().err
+
+
+def test_every_listener_is_under_the_bind_check(root: Path, certs: Certificates) -> None:
+    """Metrics and health-only ports pass the same check as the gRPC ports: refused in
+    plaintext on a public address without --insecure; beside a TLS server the metrics endpoint
+    speaks HTTPS only and the health-only port (plaintext by purpose) is allowed."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from grpc_health.v1.health import aio as health_aio
+    from prometheus_client import CollectorRegistry
+
+    from specdraft.security import health_only_server, serve_metrics
+
+    token_only = ServerSecurity(tokens=(CLIENT_TOKEN,))
+    with pytest.raises(SecurityError, match=r"metrics in plaintext on 0\.0\.0\.0"):
+        serve_metrics(CollectorRegistry(), "0.0.0.0", 0, token_only)
+    with pytest.raises(SecurityError, match=r"health in plaintext on 0\.0\.0\.0"):
+        health_only_server("0.0.0.0", 0, health_aio.HealthServicer(), token_only)
+
+    tls = ServerSecurity(cert=certs.server.cert, key=certs.server.key)
+    shard = ShardThread(
+        ShardState.open(root / "v1", 0),
+        ShardServerConfig(
+            host="0.0.0.0", port=0, admin_port=None, health_port=0, metrics_port=0, security=tls
+        ),
+    )
+    try:
+        url = f"127.0.0.1:{shard.server.metrics_port}/metrics"
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"http://{url}", timeout=5).read()
+        context = ssl.create_default_context(cafile=certs.ca)
+        with urllib.request.urlopen(f"https://{url}", timeout=5, context=context) as reply:
+            assert b"specdraft_datastore_tokens" in reply.read()
+        with grpc.insecure_channel(f"127.0.0.1:{shard.server.health_port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        shard.stop()
+
+
+def test_a_client_never_sends_a_token_in_plaintext_to_a_public_address(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import asyncio
+
+    from specdraft.security import target_hosts
+
+    assert target_hosts("10.0.0.5:50051") == ["10.0.0.5"]
+    assert target_hosts("[::1]:50051") == ["::1"]
+    assert target_hosts("dns:///w.example:443") == ["w.example"]
+    assert target_hosts("ipv4:127.0.0.1:1,10.0.0.5:2") == ["127.0.0.1", "10.0.0.5"]
+    assert target_hosts("unix:/run/s.sock") == ["localhost"]
+    plain = ClientSecurity(token=CLIENT_TOKEN)
+    for address in ("10.0.0.5:50051", "specdraft-worker:50051", "dns:///w.example:443", "[2001:db8::1]:1"):
+        with pytest.raises(SecurityError, match=r"plaintext.*--insecure"):
+            plain.channel(address)
+        with pytest.raises(SecurityError, match=r"plaintext.*--insecure"):
+            plain.aio_channel(address)
+    plain.channel("127.0.0.1:1").close()  # loopback: allowed
+    ClientSecurity(tls=True, token=CLIENT_TOKEN).channel("10.0.0.5:50051").close()  # TLS: allowed
+    ClientSecurity().channel("10.0.0.5:50051").close()  # no token to leak
+    insecure = ClientSecurity(token=CLIENT_TOKEN, insecure=True)
+
+    async def open_aio() -> None:
+        await insecure.aio_channel("10.0.0.5:1").close()
+
+    with caplog.at_level(logging.WARNING, logger="specdraft.security"):
+        insecure.channel("10.0.0.5:50051").close()
+        asyncio.run(open_aio())
+    assert sum("token in plaintext to 10.0.0.5" in r.getMessage() for r in caplog.records) == 2
+    assert all(CLIENT_TOKEN not in r.getMessage() for r in caplog.records)
+
+
+def test_auth_refusals_are_counted_and_logged_without_the_token(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    security = ServerSecurity(tokens=(CLIENT_TOKEN,), admin_tokens=(ADMIN_TOKEN,))
+    shard = ShardThread(
+        ShardState.open(root / "v1", 0), ShardServerConfig(port=0, admin_port=0, security=security)
+    )
+    wrong = "w" * 40
+    try:
+        with caplog.at_level(logging.WARNING, logger="specdraft.guard"):
+            for _ in range(3):
+                remote = ClientSecurity(token=wrong)
+                with remote.channel(shard.address) as channel:
+                    retrieve = datastore_pb2_grpc.DatastoreStub(channel).Retrieve
+                    err = rpc_error(retrieve, retrieve_request(context=[1, 2]), timeout=5)
+                    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+            client = rpc_error(load, shard.admin_address, "v2", ClientSecurity(token=CLIENT_TOKEN))
+            assert client.code() == grpc.StatusCode.PERMISSION_DENIED
+        counter = shard.server.metrics.auth_refusals
+        assert counter.labels("client", "UNAUTHENTICATED")._value.get() == 3
+        assert counter.labels("admin", "PERMISSION_DENIED")._value.get() == 1
+        lines = [r.getMessage() for r in caplog.records if r.name == "specdraft.guard"]
+        assert len(lines) == 1 and "refused Retrieve from" in lines[0], lines  # one line per 10 s
+        assert all(wrong not in line and CLIENT_TOKEN not in line for line in lines)
+    finally:
+        shard.stop()
+
+
+def test_refusal_lines_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    from specdraft.common import ThrottledWarning
+
+    now = [0.0]
+    limited = ThrottledWarning(logging.getLogger("test.refusals"), 10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for t in (0.0, 1.0, 2.0, 12.0):
+            now[0] = t
+            limited.warn("refused %s", "Retrieve")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused Retrieve",
+        "refused Retrieve (2 more since the last)",
+    ]
 
 
 def test_token_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

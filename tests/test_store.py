@@ -47,7 +47,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_build_writes_a_complete_version_atomically(tokenizer: Any, corpus: Path, tmp_path: Path) -> None:
     report = build(corpus, tokenizer, tmp_path / "v1", shards=3, model_name="m", progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]  # no temporary directory left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [store.BUILD_LOCK, "v1"]  # no temporary left
     manifest = json.loads((tmp_path / "v1" / "manifest.json").read_text())
     assert manifest["version"] == "v1" and manifest["documents"] == 6 and len(manifest["shards"]) == 3
     assert manifest["tokenizer"] == tokenizer_identity(tokenizer)
@@ -85,7 +85,89 @@ def test_a_crashed_build_leaves_nothing(
     monkeypatch.setattr(store, "build_suffix_index", boom)
     with pytest.raises(MemoryError):
         build(corpus, tokenizer, tmp_path / "v", shards=2, progress=False)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [store.BUILD_LOCK]
+
+
+def tiny_docs(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 6, size=40).astype(np.int32) for _ in range(10)]
+
+
+def test_a_version_is_on_disk_before_its_name_appears(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file and directory of a version is fsync'd before the rename that publishes it,
+    and the directory holding it after: a crash after the build never leaves empty files."""
+    import os
+
+    from helpers.datastores import tiny_identity
+
+    events: list[tuple[str, str]] = []
+    fsync, rename = os.fsync, os.rename
+
+    def record_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def record_rename(src: Any, dst: Any) -> None:
+        events.append(("rename", str(src)))
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "rename", record_rename)
+    out = tmp_path / "v1"
+    store.write_version(tiny_docs(1), out, 96, tiny_identity(96), shards=2)
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    assert len(renames) == 1
+    tmp = events[renames[0]][1]
+    synced_before = {path for kind, path in events[: renames[0]] if kind == "fsync"}
+    written = {str(Path(tmp) / p.relative_to(out)) for p in out.rglob("*")} | {tmp}
+    assert written <= synced_before, sorted(written - synced_before)
+    assert ("fsync", str(tmp_path)) in events[renames[0] :]
+
+
+def test_a_killed_builds_temporary_directory_is_removed_by_the_next_build(tmp_path: Path) -> None:
+    from helpers.datastores import tiny_identity
+
+    leftover = tmp_path / ".v1.tmp-4242-0badcafe"  # what a build killed mid-way leaves
+    (leftover / "shard-0000").mkdir(parents=True)
+    (leftover / "shard-0000" / "tokens.npy").write_bytes(b"half")
+    store.write_version(tiny_docs(2), tmp_path / "v2", 96, tiny_identity(96))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [store.BUILD_LOCK, "v2"]
+
+
+def test_a_version_whose_files_lead_outside_it_is_refused(tmp_path: Path) -> None:
+    """Files that are symlinks out of the version directory (here to another version's
+    identical files, so sizes and checksums match) are not loaded: the error names the file."""
+    from helpers.datastores import tiny_identity
+
+    root = tmp_path / "versions"
+    store.write_version(tiny_docs(3), tmp_path / "elsewhere", 96, tiny_identity(96))
+    store.write_version(tiny_docs(3), root / "v1", 96, tiny_identity(96))
+    DatastoreVersion(root / "v1")  # whole, it loads
+    tokens = root / "v1" / "shard-0000" / "tokens.npy"
+    tokens.unlink()
+    tokens.symlink_to(tmp_path / "elsewhere" / "shard-0000" / "tokens.npy")
+    with pytest.raises(DatastoreError, match=r"tokens\.npy leads outside its version directory"):
+        DatastoreVersion(root / "v1")
+    tokens.unlink()
+    tokens.symlink_to(root / "v1" / "shard-0000" / "docs.npy")  # inside the version: only checksums apply
+    with pytest.raises(DatastoreError, match=r"bytes|checksum"):
+        DatastoreVersion(root / "v1")
+    store.write_version(tiny_docs(3), root / "v2", 96, tiny_identity(96))
+    manifest = root / "v2" / "manifest.json"
+    manifest.unlink()
+    manifest.symlink_to(tmp_path / "elsewhere" / "manifest.json")
+    with pytest.raises(DatastoreError, match=r"manifest\.json leads outside"):
+        DatastoreVersion(root / "v2")
+    store.write_version(tiny_docs(3), root / "v3", 96, tiny_identity(96))
+    shutil_dir = root / "v3" / "shard-0000"
+    import shutil
+
+    shutil.rmtree(shutil_dir)
+    shutil_dir.symlink_to(tmp_path / "elsewhere" / "shard-0000")  # a whole shard directory
+    with pytest.raises(DatastoreError, match="leads outside"):
+        DatastoreVersion(root / "v3")
 
 
 def test_bad_corpus_lines_name_file_and_line(tokenizer: Any, tmp_path: Path) -> None:

@@ -199,7 +199,7 @@ def add_server_security_args(p: argparse.ArgumentParser, admin: bool = False) ->
     g.add_argument(
         "--insecure",
         action="store_true",
-        help="allow plaintext without a token on a non-loopback address (logged as a warning)",
+        help="allow plaintext on a non-loopback address, tokens or not (logged as a warning)",
     )
     g.add_argument(
         "--health-port",
@@ -253,6 +253,11 @@ def add_client_security_args(p: argparse.ArgumentParser, admin: bool = False, pr
     g.add_argument(f"--{prefix}tls-cert", help="PEM client certificate (mutual TLS)")
     g.add_argument(f"--{prefix}tls-key", help="PEM private key of the client certificate")
     g.add_argument(f"--{prefix}tls-server-name", help="check the servers' certificates against this name")
+    g.add_argument(
+        f"--{prefix}insecure",
+        action="store_true",
+        help="send the token in plaintext to a non-loopback address (logged as a warning)",
+    )
     if admin:
         g.add_argument(
             f"--{prefix}admin-token-file", help=f"the admin token to send (default: ${ADMIN_TOKEN_ENV})"
@@ -291,6 +296,7 @@ def client_security(args: argparse.Namespace, admin: bool = False, prefix: str =
             token=tokens[0] if tokens else None,
             tls=bool(arg("tls")),
             server_name=arg("tls_server_name"),
+            insecure=bool(arg("insecure")),
         )
     except SecurityError as exc:
         raise CliError(str(exc)) from exc

@@ -3,8 +3,9 @@
 
 The JSON carries the target's ``weights_id`` (the same for a float32 and a bfloat16 load of one
 checkpoint): a drafter trained for another model is refused with ``CheckpointMismatchError``. The
-weights file is written first and the JSON last, each atomically, so a reader never sees a JSON
-whose weights are not complete.
+JSON names its weights file and holds its checksum, and ``save_checkpoint`` writes the pair as one
+unit: at every moment, a kill included, the JSON names a complete weights file that matches it
+(the old checkpoint or the new one, never a mix).
 
 Shipped checkpoints live in the package (``llm_worker/data/drafters/WEIGHTS_ID/``); a worker may
 name its own directory (``--drafters-dir``).
@@ -13,6 +14,7 @@ name its own directory (``--drafters-dir``).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -22,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdraft.common import atomic_path, atomic_write_text, sha256_file
+from specdraft.common import atomic_path, atomic_write_text, fsync_path, sha256_file, temp_sibling
 
 FORMAT = 1
 D2T_KEY = "draft_to_target"  # [V] int64: draft id → target id
@@ -59,13 +61,24 @@ def json_path_of(path: str | Path) -> Path:
 
 
 def save_checkpoint(ckpt: DrafterCheckpoint, stem: str | Path) -> Path:
-    """Write ``stem.safetensors`` then ``stem.json``; returns the JSON's path."""
+    """Write ``stem.safetensors`` and ``stem.json`` as one unit; returns the JSON's path.
+
+    The steps, each an atomic rename, after each of which the JSON names a complete weights
+    file with its checksum: (1) the new weights as ``.stem.SHA16.safetensors`` (the old pair
+    untouched); (2) the JSON, naming that file: the new checkpoint is in place; (3) the same
+    weights linked over ``stem.safetensors``; (4) the JSON, naming ``stem.safetensors``; then
+    staged files are removed, this one's and those of saves that were killed.
+    """
     stem = Path(stem)
     weights_path, json_path = _beside(stem, ".safetensors"), _beside(stem, ".json")
+    stem.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in ckpt.weights.items()}
     tensors[D2T_KEY] = ckpt.d2t.to(torch.int64).contiguous()
-    with atomic_path(weights_path) as tmp:
+    with atomic_path(_beside(stem, ".staging")) as tmp:
         save_file(tensors, str(tmp))
+        digest = sha256_file(tmp)
+    staged = stem.with_name(f".{stem.name}.{digest[:16]}.safetensors")
+    os.replace(_beside(stem, ".staging"), staged)  # (1)
     record = {
         "format": FORMAT,
         "kind": ckpt.kind,
@@ -73,9 +86,21 @@ def save_checkpoint(ckpt: DrafterCheckpoint, stem: str | Path) -> Path:
         "target": ckpt.target,
         "command": ckpt.command,
         "meta": ckpt.meta,
-        "weights": {"file": weights_path.name, "sha256": sha256_file(weights_path)},
+        "weights": {"file": staged.name, "sha256": digest},
     }
-    atomic_write_text(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n")  # (2)
+    link = temp_sibling(weights_path)
+    os.link(staged, link)
+    os.replace(link, weights_path)  # (3)
+    fsync_path(weights_path.parent)
+    record["weights"] = {"file": weights_path.name, "sha256": digest}
+    atomic_write_text(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n")  # (4)
+    for leftover in [
+        *stem.parent.glob(f".{stem.name}.{'[0-9a-f]' * 16}.safetensors"),
+        *stem.parent.glob(f".{stem.name}.safetensors.tmp-*"),
+        _beside(stem, ".staging"),
+    ]:
+        leftover.unlink(missing_ok=True)
     return json_path
 
 
