@@ -6,11 +6,17 @@ datastore shards — under locust load while its parts fail, one after another:
    ``SIGCONT``;
 3. ``kill -9`` Redis, then start it again (the registry comes back with the workers' heartbeats);
 4. swap the datastore version on every shard (``swap_all`` on the admin ports);
-5. ``SIGTERM`` one of the two workers (it drains; clients fail over to the other).
+5. a network partition between the workers and shard 0 for ``stop_seconds`` (the workers reach
+   each shard through a TCP proxy, ``client/faultproxy.py``, which now moves no byte), then healed;
+6. a slow link to shard 1 for ``stop_seconds``: ``link_delay_seconds`` each way, then healed;
+7. ``SIGTERM`` one of the two workers (it drains; clients fail over to the other).
 
-Reported: requests locust sent and how many failed, every finished generation compared with what
-``ar`` answers to the same prompt (the goal: 0 failed, 0 different), and the p50 / p99 of health
-checks sent to every live worker and shard during the run.
+Reported, and checked (``report["ok"]``, the exit status of ``specdraft chaos``): requests locust
+sent and how many failed (0), every finished generation compared with what ``ar`` answers to the
+same prompt (0 different), the p50 / p99 of health checks sent to every live worker and shard
+during the run (p99 at most ``health_p99_ms``), and the version every shard serves at the end
+(one, the swapped-in v2). Kills during a rebuild and its swap (the Kubernetes job's steps) are
+not part of this run.
 """
 
 from __future__ import annotations
@@ -58,7 +64,13 @@ class ChaosConfig:
     step_seconds: float = 10.0
     """Time between two failures (and before the first)."""
     stop_seconds: float = 10.0
-    """How long shard 1 stays stopped."""
+    """How long shard 1 stays stopped, the partition and the slow link last."""
+    link_delay_seconds: float = 0.2
+    """The slow link's delay, each way."""
+    health_p99_ms: float = 250.0
+    """The bound on the p99 of the health checks of workers and of shards. Measured on the 2-core
+    development machine: p99 below 40 ms (see docs/security.md); the bound leaves room for a CI
+    machine as busy."""
     worker_args: tuple[str, ...] = ()
     """Extra ``serve worker`` arguments."""
 
@@ -171,10 +183,54 @@ def _summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def _shard_versions(state_dir: Path) -> dict[str, str]:
+    """The version each shard serves now (its name → version; "" if it does not answer)."""
+    import grpc
+
+    from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
+
+    state = read_state(state_dir)
+    versions = {}
+    for proc in state.shards() if state else []:
+        with grpc.insecure_channel(proc.address) as channel:
+            try:
+                info = datastore_pb2_grpc.DatastoreStub(channel).GetShardInfo(
+                    datastore_pb2.ShardInfoRequest(), timeout=10.0
+                )
+                versions[proc.name] = info.version
+            except grpc.RpcError:
+                versions[proc.name] = ""
+    return versions
+
+
+def verdict(report: dict[str, Any], cfg: ChaosConfig) -> list[str]:
+    """What the run got wrong (empty: nothing): failed requests, outputs differing from ``ar``,
+    a health p99 over the bound, shards on different versions (or not on v2) at the end."""
+    wrong = []
+    if report["load"]["failed"]:
+        wrong.append(f"{report['load']['failed']} failed requests")
+    if report["outputs"]["differ"] or not report["outputs"]["compared"]:
+        wrong.append(
+            f"{report['outputs']['differ']} of {report['outputs']['compared']} outputs differ from ar"
+        )
+    for kind in ("worker", "datastore"):
+        p99 = report["health"].get(kind, {}).get("p99_ms")
+        if p99 is None or p99 > cfg.health_p99_ms:
+            wrong.append(f"{kind} health p99 {p99} ms, the bound {cfg.health_p99_ms} ms")
+    if set(report["versions"].values()) != {"v2"}:
+        wrong.append(f"shard versions at the end: {report['versions']}")
+    return wrong
+
+
 def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
-    """Start the stack, load it, break it step by step, stop it; the report."""
+    """Start the stack, load it, break it step by step, stop it; the report (``ok``: every check
+    of ``verdict`` passed, ``wrong``: those that did not)."""
+    from client.faultproxy import FaultProxy
+
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     root = _versions(cfg, say)
+    shard_count = 2  # of each version (_versions)
+    proxies = [FaultProxy(_shard_address(cfg.state_dir, i)) for i in range(shard_count)]
     worker_args = (*(("--model", cfg.model) if cfg.model else ()), "--grace-seconds", "15", *cfg.worker_args)
     stack = StackConfig(
         workers=2,
@@ -184,6 +240,7 @@ def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -
         worker_args=worker_args,
         datastore=str(root / "v1"),
         datastore_port=0,
+        worker_datastore_addr=",".join(p.address for p in proxies),
         grace_seconds=15.0,
     )
     say("starting the stack (2 workers, 2 shards, redis)")
@@ -194,12 +251,12 @@ def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -
     health: dict[str, list[float]] = {}
     prober = threading.Thread(target=_prober, args=(cfg.state_dir, log, stop, health), daemon=True)
     step = cfg.step_seconds
-    load_seconds = 6 * step + cfg.stop_seconds
+    load_seconds = 8 * step + 3 * cfg.stop_seconds
     try:
         prober.start()
         locust = _locust(cfg, load_seconds, outputs, prefix)
         log.event(f"locust: {cfg.users} users, mode {cfg.mode}, {load_seconds:.0f} s")
-        _schedule(cfg, state, log)
+        _schedule(cfg, state, log, proxies)
         code = locust.wait(load_seconds + 300)
         log.event(f"locust exited ({code})")
         stop.set()
@@ -207,27 +264,47 @@ def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -
         survivor = next(p for p in (read_state(cfg.state_dir) or state).workers() if is_alive(p))
         say("comparing every generation with ar")
         outputs_check = _compare_with_ar(cfg, outputs, survivor.address)
+        versions = _shard_versions(cfg.state_dir)
     finally:
         stop.set()
         down(cfg.state_dir, grace_seconds=10.0)
+        for proxy in proxies:
+            proxy.close()
     load = _locust_totals(prefix)
     if load["requests"] == 0:
         raise StackError(f"locust sent nothing; see {cfg.state_dir / 'logs' / 'locust.log'}")
-    return {
+    report: dict[str, Any] = {
         "load": load,
         "outputs": outputs_check,
         "health": {kind: _summary(values) for kind, values in sorted(health.items())},
+        "versions": versions,
         "events": log.events,
         "config": {
             "users": cfg.users,
             "mode": cfg.mode,
             "max_new_tokens": cfg.max_new_tokens,
             "model": cfg.model or "default",
+            "link_delay_seconds": cfg.link_delay_seconds,
+            "health_p99_ms": cfg.health_p99_ms,
         },
     }
+    report["wrong"] = verdict(report, cfg)
+    report["ok"] = not report["wrong"]
+    return report
 
 
-def _schedule(cfg: ChaosConfig, state: Any, log: ChaosLog) -> None:
+def _shard_address(state_dir: Path, index: int) -> Callable[[], str]:
+    """Where shard ``index`` listens now (the stack's state file): a proxy's upstream."""
+
+    def address() -> str:
+        state = read_state(state_dir)
+        shards = state.shards() if state else []
+        return shards[index].address if index < len(shards) else ""  # "": not started yet
+
+    return address
+
+
+def _schedule(cfg: ChaosConfig, state: Any, log: ChaosLog, proxies: list[Any]) -> None:
     """The failures, ``step_seconds`` apart."""
     from datastore_svc.fanout import swap_all
     from specdraft.security import ClientSecurity
@@ -268,6 +345,20 @@ def _schedule(cfg: ChaosConfig, state: Any, log: ChaosLog) -> None:
     log.event(f"datastore swapped: {swapped}")
 
     at(5 * step + cfg.stop_seconds)
+    proxies[0].blackhole()
+    log.event(f"partition: workers - {shards[0].name}")
+    time.sleep(cfg.stop_seconds)
+    proxies[0].heal()
+    log.event(f"partition healed: workers - {shards[0].name}")
+
+    at(6 * step + 2 * cfg.stop_seconds)
+    proxies[1].delay(cfg.link_delay_seconds)
+    log.event(f"slow link: workers - {shards[1].name}, {cfg.link_delay_seconds * 1000:.0f} ms each way")
+    time.sleep(cfg.stop_seconds)
+    proxies[1].heal()
+    log.event(f"slow link healed: workers - {shards[1].name}")
+
+    at(7 * step + 3 * cfg.stop_seconds)
     _signal(workers[1], signal.SIGTERM, log)
 
 

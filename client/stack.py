@@ -66,6 +66,9 @@ class StackConfig:
     and (if the version has a dense index) dresd; Redis then caches dense statistics and queries."""
     datastore_port: int = 50061
     """gRPC port of the first shard server (counting up); 0 = free ports."""
+    worker_datastore_addr: str | None = None
+    """The shard addresses the workers are given (``host:port,...``, in shard order); None = the
+    shards' own. The chaos run gives its fault proxies' (``client/faultproxy.py``)."""
 
 
 @dataclass
@@ -354,7 +357,7 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
             wait_serving(shards, cfg.startup_timeout)
             for proc in shards:
                 say(f"{proc.name:10s} {proc.address}  (pid {proc.pid})")
-            datastore_addr = ",".join(p.address for p in shards)
+            datastore_addr = cfg.worker_datastore_addr or ",".join(p.address for p in shards)
         workers = []
         for i in range(cfg.workers):
             port = _port(cfg.worker_port, i)

@@ -8,10 +8,11 @@
 - Retrievals run in a bounded thread pool: at most ``max_pending`` wait or run; beyond that,
   RESOURCE_EXHAUSTED at once. A request whose deadline passed before its turn is dropped without
   computing (counted). The event loop never computes, so health answers stay fast.
-- Bad input gets INVALID_ARGUMENT, an unknown version NOT_FOUND, a version that cannot be
-  loaded (or has no dense index) FAILED_PRECONDITION — and the shard keeps serving its current
-  version. Prometheus metrics on an HTTP port. With a Redis URL, the shard publishes each
-  loaded version's dense statistics there.
+- Bad input gets INVALID_ARGUMENT (a version name that cannot be one too), an unknown version
+  NOT_FOUND, a version that cannot be loaded (or has no dense index) FAILED_PRECONDITION — and the
+  shard keeps serving its current version. Error texts quote at most the start of what a request
+  sent (``specdraft.common.shorten``). Prometheus metrics on an HTTP port. With a Redis URL, the
+  shard publishes each loaded version's dense statistics there.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from datastore_svc.shard import (
     VersionNotLoaded,
 )
 from datastore_svc.store import DatastoreError
+from specdraft.common import MAX_ERROR_CHARS, shorten
 from specdraft.guard import Guard, refusals_counter
 from specdraft.security import (
     ServerSecurity,
@@ -207,7 +209,7 @@ class _Counted:
         self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, message: str
     ) -> None:
         self.metrics.requests.labels(method, code.name).inc()
-        await context.abort(code, message)
+        await context.abort(code, shorten(message, MAX_ERROR_CHARS))
 
 
 class DatastoreServicer(_Counted, datastore_pb2_grpc.DatastoreServicer):
@@ -297,6 +299,8 @@ class DatastoreServicer(_Counted, datastore_pb2_grpc.DatastoreServicer):
     ) -> datastore_pb2.RetrieveResponse:
         try:
             store = self.state.version(request.version)
+        except BadVersionName as exc:
+            await self._abort(context, "Retrieve", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except VersionNotLoaded as exc:
             await self._abort(context, "Retrieve", grpc.StatusCode.NOT_FOUND, str(exc))
         stats = store.dense_stats
@@ -332,6 +336,8 @@ class DatastoreServicer(_Counted, datastore_pb2_grpc.DatastoreServicer):
     ) -> datastore_pb2.ShardInfo:
         try:
             store = self.state.version(request.version)
+        except BadVersionName as exc:
+            await self._abort(context, "GetShardInfo", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except VersionNotLoaded as exc:
             await self._abort(context, "GetShardInfo", grpc.StatusCode.NOT_FOUND, str(exc))
         self.metrics.requests.labels("GetShardInfo", "OK").inc()
@@ -393,6 +399,8 @@ class AdminServicer(_Counted, datastore_pb2_grpc.DatastoreAdminServicer):
     ) -> datastore_pb2.SwapVersionResponse:
         try:
             previous, current = self.state.swap(request.version, request.expected_previous)
+        except BadVersionName as exc:
+            await self._abort(context, "SwapVersion", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (VersionNotLoaded, UnexpectedVersion) as exc:
             await self._abort(context, "SwapVersion", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         log.info("shard %d swapped %s -> %s", self.state.index, previous, current)

@@ -19,6 +19,7 @@ from datastore_svc.dense import DenseConfig
 from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
 from datastore_svc.retrieval import RetrievalConfig
 from datastore_svc.store import DatastoreError, DatastoreVersion
+from specdraft.common import shorten
 
 
 class VersionNotLoaded(LookupError):
@@ -37,11 +38,10 @@ class UnexpectedVersion(RuntimeError):
     """A compare-and-swap found another current version than the caller expected."""
 
 
-def version_dir(root: Path, name: str) -> Path:
-    """The directory of version ``name`` under ``root``. A name is one path component: no
-    ``/``, ``..`` or absolute path, and a symlink may not lead out of the root. Errors say
-    nothing about the file system: ``BadVersionName`` for the form, ``VersionMissing`` when no
-    such version exists under the root."""
+def check_version_name(name: str) -> None:
+    """``BadVersionName`` unless ``name`` can name a version: one directory name (no ``/``,
+    ``..`` or absolute path, at most 255 printable characters). ``"v2"`` passes, ``"../v2"`` and
+    a 200 000-character name do not."""
     bad = (
         not name
         or len(name) > 255
@@ -52,8 +52,16 @@ def version_dir(root: Path, name: str) -> Path:
     if bad:
         raise BadVersionName(
             f"a version is one directory name under the shard's versions root (no '/', '..' or absolute "
-            f"paths), not {name[:80]!r}"
+            f"paths), not {shorten(name)!r}"
         )
+
+
+def version_dir(root: Path, name: str) -> Path:
+    """The directory of version ``name`` under ``root``. A name is one path component
+    (``check_version_name``), and a symlink may not lead out of the root. Errors say nothing
+    about the file system: ``BadVersionName`` for the form, ``VersionMissing`` when no such
+    version exists under the root."""
+    check_version_name(name)
     real_root = root.resolve()
     target = (root / name).resolve()
     if not target.is_relative_to(real_root) or target == real_root:
@@ -108,6 +116,10 @@ class ShardState:
                 del self._release_at[name]
 
     def version(self, name: str = "") -> DatastoreVersion:
+        """The loaded version ``name`` ("": the current one); ``BadVersionName`` for a name that
+        cannot be one, ``VersionNotLoaded`` for one this shard does not hold."""
+        if name:
+            check_version_name(name)
         with self._lock:
             self._release_drained()
             if not name:
@@ -156,7 +168,10 @@ class ShardState:
 
     def swap(self, name: str, expected_previous: str = "") -> tuple[str, str]:
         """Make the loaded version ``name`` current: (previous, current). With
-        ``expected_previous``, only if that is the current version (compare-and-swap)."""
+        ``expected_previous``, only if that is the current version (compare-and-swap).
+        ``BadVersionName`` if either cannot name a version."""
+        for given in (name, expected_previous) if expected_previous else (name,):
+            check_version_name(given)
         with self._lock:
             new = self._loaded.get(name)
             if new is None:

@@ -6,6 +6,7 @@ world). Every field says what it means; defaults are the ones the benchmark uses
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -73,8 +74,8 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -133,6 +134,10 @@ class EngineConfig:
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    max_drafter_bytes: int = 1 << 30
+    """Memory the drafters of the modes the engine keeps may hold together (learned drafters'
+    networks, each counted once however many mode spellings share it); beyond it the least
+    recently used modes' runtimes are dropped, as beyond ``engine.MAX_MODE_RUNTIMES`` of them."""
     prefill_chunk: int = 256
     """Prompt tokens per prefill forward. Bounds activation memory, and on the fast backend,
     whose attention scores every row against every key up to the chunk's end (masking, not

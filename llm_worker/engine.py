@@ -25,6 +25,7 @@ from llm_worker.batching import BatchingConfig, BatchScheduler, BatchSession
 from llm_worker.config import DEFAULT_MODE, EngineConfig, SamplingParams
 from llm_worker.costs import CurveCheck, measure_curve_and_cache
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
+from llm_worker.drafters.base import storage_bytes
 from llm_worker.logits import argmax
 from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
@@ -263,9 +264,11 @@ class Engine:
                         planner.curve = check.curve
 
     def runtime(self, mode: str) -> _ModeRuntime:
-        """The drafter and planners of ``mode``, kept for the ``MAX_MODE_RUNTIMES`` modes used
-        last (a request keeps its own even if it is dropped meanwhile): clients choose the mode
-        strings, so the cache must not grow with every variant they send."""
+        """The drafter and planners of ``mode``, kept for the modes used last, at most
+        ``MAX_MODE_RUNTIMES`` of them holding at most ``config.max_drafter_bytes`` together
+        (``drafter_bytes``; the mode just asked for is always kept, and a request keeps its own
+        even if it is dropped meanwhile): clients choose the mode strings, so the cache must not
+        grow with every variant they send."""
         key = canonical_mode(mode)  # may raise UnknownModeError
         with self._lock:
             rt = self._modes.get(key)
@@ -283,7 +286,9 @@ class Engine:
                 if planner is not None and self._curve is not None:
                     planner.curve = self._curve
             self._modes.move_to_end(key)
-            while len(self._modes) > MAX_MODE_RUNTIMES:
+            while len(self._modes) > 1 and (
+                len(self._modes) > MAX_MODE_RUNTIMES or self._drafter_bytes() > self.config.max_drafter_bytes
+            ):
                 self._modes.popitem(last=False)
             return rt
 
@@ -291,6 +296,16 @@ class Engine:
     def cached_modes(self) -> int:
         """How many modes' runtimes are kept now (at most ``MAX_MODE_RUNTIMES``)."""
         return len(self._modes)
+
+    @property
+    def drafter_bytes(self) -> int:
+        """The memory the kept modes' drafters hold (``Drafter.tensors``): a network that several
+        modes share counts once."""
+        with self._lock:
+            return self._drafter_bytes()
+
+    def _drafter_bytes(self) -> int:
+        return storage_bytes(t for rt in self._modes.values() for t in rt.drafter.tensors())
 
     def validate(self, req: GenerationRequest) -> None:
         """Refuse a request this engine cannot run (``InvalidRequestError``, with a precise

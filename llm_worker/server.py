@@ -5,11 +5,13 @@
   stops promptly when the client cancels or the deadline passes.
 - Admission: at most ``max_concurrent`` generations at once (own counter, not
   ``maximum_concurrent_rpcs``); beyond it, RESOURCE_EXHAUSTED at once instead of a queue.
-- Bad input → INVALID_ARGUMENT with a precise message; oversized messages → RESOURCE_EXHAUSTED
-  (gRPC's own receive limit); a prompt over ``max_prompt_bytes`` is refused before it is
-  tokenized. Tokenizing, chat templating and building a mode's drafter run off the event loop.
-  A generation runs at most ``max_generation_seconds`` (then DEADLINE_EXCEEDED, whatever the
-  client's deadline). The server keeps serving.
+- Bad input → INVALID_ARGUMENT with a precise message, which quotes at most the start of what
+  the request sent (``specdraft.common.shorten``; an error text is at most ``MAX_ERROR_CHARS``);
+  oversized messages → RESOURCE_EXHAUSTED (gRPC's own receive limit); a prompt over
+  ``max_prompt_bytes`` is refused before it is tokenized. Tokenizing, chat templating and
+  building a mode's drafter run off the event loop. A generation runs at most
+  ``max_generation_seconds`` (then DEADLINE_EXCEEDED, whatever the client's deadline). The
+  server keeps serving.
 - ``specdraft.guard`` in front: TLS / mutual TLS and bearer tokens (``ServerConfig.security``),
   malformed requests → INVALID_ARGUMENT, unexpected errors → INTERNAL with an opaque id.
 - Standard health service (``grpc.health.v1``) and server reflection.
@@ -40,6 +42,7 @@ from llm_worker.registry import Registry, WorkerRecord
 from llm_worker.results import GenerationResult, to_response
 from llm_worker.textstream import TextStream
 from llm_worker.worker import BadRequest, Worker, WorkRequest
+from specdraft.common import MAX_ERROR_CHARS, shorten
 from specdraft.guard import Guard
 from specdraft.security import (
     ServerSecurity,
@@ -89,7 +92,7 @@ def to_work_request(msg: generation_pb2.GenerateRequest) -> WorkRequest:
     s = msg.sampling
     sampling = SamplingParams(
         temperature=s.temperature,
-        top_p=s.top_p if s.top_p > 0 else 1.0,
+        top_p=1.0 if s.top_p == 0 else s.top_p,  # 0: unset; NaN or a negative value is refused
         top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None,
     )
@@ -158,7 +161,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, context: grpc.aio.ServicerContext, call: _Call, code: grpc.StatusCode, message: str
     ) -> None:
         call.status = code.name
-        await context.abort(code, message)
+        await context.abort(code, shorten(message, MAX_ERROR_CHARS))
 
     @contextlib.asynccontextmanager
     async def _observed(self, call: _Call) -> AsyncIterator[None]:

@@ -16,6 +16,7 @@ from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
 from llm_worker.engine import Engine, GenerationRequest, InvalidRequestError, StepOutput
 from llm_worker.model.target import TargetInfo
 from llm_worker.results import GenerationResult
+from specdraft.common import shorten
 from specdraft.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -83,7 +84,7 @@ class Worker:
             raise BadRequest("the chat has no messages")
         for role, _ in req.chat:
             if role not in CHAT_ROLES:
-                raise BadRequest(f"chat role {role!r} is not one of {CHAT_ROLES}")
+                raise BadRequest(f"chat role {shorten(role)!r} is not one of {CHAT_ROLES}")
         try:
             return chat_prompt_ids(self.tokenizer, [{"role": r, "content": c} for r, c in req.chat])
         except ValueError as exc:

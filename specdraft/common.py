@@ -1,6 +1,7 @@
 """Utilities every layer shares: atomic writes, the cache directory, file digests, percentiles,
-whether other processes loaded the cores during a measurement, progress lines of long steps, and
-warnings that someone else can trigger at will, logged at a bounded rate."""
+bounded echoes of input in error texts, whether other processes loaded the cores during a
+measurement, progress lines of long steps, and warnings that someone else can trigger at will,
+logged at a bounded rate."""
 
 from __future__ import annotations
 
@@ -146,6 +147,22 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+ECHO_CHARS = 64
+"""The most characters of a request's own text an error text quotes (``shorten``)."""
+MAX_ERROR_CHARS = 1024
+"""The longest error text a server sends: a status's message travels in a trailer, and gRPC
+clients refuse trailers over 16 KiB (RESOURCE_EXHAUSTED instead of the real status)."""
+
+
+def shorten(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` as an error text may quote it: whole up to ``limit`` characters, else its start
+    and its length. ``shorten("pld")`` → ``"pld"``; ``shorten("abcdef", 3)`` →
+    ``"abc… (6 characters)"``."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text)} characters)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,15 @@ from llm_worker.model import load_target
 from llm_worker.model.target import TargetModel
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-requests",
+        type=int,
+        default=600,
+        help="requests tests/test_fuzz.py sends over all its fuzz tests (make fuzz: 10 000)",
+    )
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     excused = EXCUSED_DIVERGENCES.excused
     terminalreporter.write_sep("-", f"near-tie greedy divergences excused: {len(excused)}")

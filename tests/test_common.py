@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from specdraft.common import atomic_path, atomic_write_text, percentile, temp_sibling
+from specdraft.common import atomic_path, atomic_write_text, percentile, shorten, temp_sibling
 
 
 @pytest.mark.parametrize("q", [0.0, 0.25, 0.5, 0.95, 0.99, 1.0])
@@ -69,3 +69,9 @@ def test_an_atomic_write_is_on_disk_before_the_rename(
 def test_temp_siblings_are_hidden_and_distinct(tmp_path: Path) -> None:
     a, b = temp_sibling(tmp_path / "v1"), temp_sibling(tmp_path / "v1")
     assert a != b and a.parent == tmp_path and a.name.startswith(".v1.tmp-")
+
+
+def test_shorten_quotes_the_start_and_says_the_length() -> None:
+    assert shorten("pld") == "pld"
+    assert shorten("abcdef", 3) == "abc… (6 characters)"
+    assert len(shorten("x" * 200_000)) < 100

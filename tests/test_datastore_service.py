@@ -159,6 +159,37 @@ def test_bad_retrieve_requests_get_precise_statuses(
         assert stub.Retrieve(retrieve_request(context=[1, 2]), timeout=5).version == "v1"
 
 
+def test_a_huge_version_name_is_invalid_argument_with_a_short_message(shards: list[ShardThread]) -> None:
+    """A 200 000-character version name cannot name a version (one directory name, at most 255
+    characters): INVALID_ARGUMENT on every call that takes one, and the error text quotes only its
+    start (echoed whole, it made the status trailer too large: the client saw RESOURCE_EXHAUSTED)."""
+    huge = "v" * 200_000
+    with grpc.insecure_channel(shards[0].address) as channel, ADMIN.channel(shards[0].admin_address) as admin:
+        stub = datastore_pb2_grpc.DatastoreStub(channel)
+        admin_stub = datastore_pb2_grpc.DatastoreAdminStub(admin)
+        calls = {
+            "sparse": lambda: stub.Retrieve(retrieve_request(context=[1, 2], version=huge), timeout=5),
+            "dense": lambda: stub.Retrieve(
+                retrieve_request(embedding=[0.5] * 4, next_token=1, version=huge), timeout=5
+            ),
+            "info": lambda: stub.GetShardInfo(datastore_pb2.ShardInfoRequest(version=huge), timeout=5),
+            "load": lambda: admin_stub.LoadVersion(datastore_pb2.LoadVersionRequest(version=huge), timeout=5),
+            "swap": lambda: admin_stub.SwapVersion(datastore_pb2.SwapVersionRequest(version=huge), timeout=5),
+            "swap from": lambda: admin_stub.SwapVersion(
+                datastore_pb2.SwapVersionRequest(version="v1", expected_previous=huge), timeout=5
+            ),
+        }
+        wrong = {}
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            code, details = err.value.code(), err.value.details()
+            if code != grpc.StatusCode.INVALID_ARGUMENT or len(details) > 300:
+                wrong[name] = (code.name, details[:100])
+        assert not wrong
+        assert stub.Retrieve(retrieve_request(context=[1, 2]), timeout=5).version == "v1"
+
+
 def test_generation_survives_a_killed_and_a_slow_shard(tmp_path: Path) -> None:
     """Three shards: one healthy, one killed, one past its deadline → identical to ar, still drafting."""
     target = tiny_target("llama")

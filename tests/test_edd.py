@@ -24,9 +24,9 @@ from helpers.models import (
 from helpers.stats import VOCAB, assert_sampling_exact
 from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError, UnknownModeError
-from llm_worker.drafters.base import DraftContext, RequestState
+from llm_worker.drafters.base import DraftContext, RequestState, storage_bytes
 from llm_worker.drafters.checkpoint import load_checkpoint
-from llm_worker.drafters.edd import EddDrafter, EddOptions, _State
+from llm_worker.drafters.edd import EddDrafter, EddNetwork, EddOptions, _State
 from llm_worker.drafters.edd_net import EddNet, dual_block_allowed, edd_config_for, random_block_starts
 from llm_worker.drafters.pct import acceptance, expand_order, gain, prune
 from llm_worker.engine import Engine
@@ -241,7 +241,7 @@ def test_fused_network_matches_the_torch_network() -> None:
         for p in net.parameters():
             if p.dim() == 2:
                 p.copy_(quant.round_to_eight_bit(p * 4))
-    drafter = EddDrafter(target, net, torch.arange(64), EddOptions())
+    drafter = EddDrafter(EddNetwork.build(target, net, torch.arange(64)), EddOptions())
     fast = drafter.fast
     assert fast is not None
     rng = np.random.default_rng(0)
@@ -287,11 +287,39 @@ def test_mode_options_are_checked_before_the_checkpoint(
     DRAFTERS.create(
         "edd+pct:topk=3:width=2:depth=5:min_reach=0.1", target, DraftResources(drafters_dir=directory)
     )
-    for bad in ("edd:topk=2", "edd:depth=0", "edd:min_reach=2", "edd+pct:topk=0", "edd+pct:width=x"):
+    for bad in (
+        "edd:topk=2",
+        "edd:depth=0",
+        "edd:min_reach=2",
+        "edd:min_reach=nan",
+        "edd+pct:min_reach=-inf",
+        "edd+pct:topk=0",
+        "edd+pct:width=x",
+    ):
         with pytest.raises(UnknownModeError):
             DRAFTERS.create(bad, target, DraftResources(drafters_dir=tmp_path))  # no checkpoint there
     with pytest.raises(ModeUnavailableError, match="no edd drafter"):
         DRAFTERS.create("edd+pct", target, DraftResources(drafters_dir=tmp_path))
+
+
+def test_every_spelling_of_both_modes_shares_one_network(tiny_edd: tuple[Any, Path, EddTrainer]) -> None:
+    """``edd`` and ``edd+pct`` spelled 20 ways hold one network and one fused copy: the engine's
+    drafters hold no more tensor bytes than one drafter does."""
+    model, directory, _ = tiny_edd
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    engine = Engine(
+        target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(drafters_dir=directory)
+    )
+    first = engine.runtime("edd").drafter
+    assert isinstance(first, EddDrafter)
+    one = engine.drafter_bytes
+    assert one == storage_bytes(first.tensors()) > 0
+    for i in range(20):
+        drafter = engine.runtime(f"edd{'+pct' if i % 2 else ''}:depth={1 + i}").drafter
+        assert isinstance(drafter, EddDrafter)
+        assert drafter.network is first.network and drafter.fast is first.fast
+    assert engine.cached_modes == 21 and engine.drafter_bytes == one
+    assert len(engine.resources.networks) == 1
 
 
 def test_another_models_checkpoint_is_refused(tiny_edd: tuple[Any, Path, EddTrainer]) -> None:

@@ -11,6 +11,8 @@ import transformers
 
 from helpers.models import FLAT_CURVE, DraftTally, engine_for, tiny_model, tiny_target
 from llm_worker.config import CostConfig, EngineConfig, ModelConfig
+from llm_worker.drafters import DRAFTERS
+from llm_worker.drafters.base import NoDrafter
 from llm_worker.engine import Engine, GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.planner import CostCurve, measure_cost_curve
@@ -157,3 +159,38 @@ def test_mode_runtimes_are_bounded_and_shared_by_spellings_of_one_mode() -> None
         engine.runtime(f"pld+h:layer=1:theta={i / 1000}")
     assert engine.cached_modes == MAX_MODE_RUNTIMES
     assert engine.runtime("pld:max_n=3:min_n=1") is not first  # dropped long ago: made again
+
+
+class HeavyDrafter(NoDrafter):
+    """Drafts nothing, holds ``weights``."""
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        self.weights = weights
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weights]
+
+
+def test_mode_runtimes_are_bounded_by_their_drafters_memory() -> None:
+    """Beyond ``max_drafter_bytes`` the least recently used runtimes are dropped; a tensor that
+    several modes' drafters share counts once; the mode just asked for is kept whatever it holds."""
+    engine = engine_for(tiny_target("llama"))
+    engine.config = EngineConfig(max_drafter_bytes=10 << 20)
+
+    held: dict[tuple[str, str], torch.Tensor] = {}
+
+    def make(target: object, options: dict[str, str], resources: object) -> HeavyDrafter:
+        """``heavy:mb=N:copy=C``: copy C of N MB (the same C: the same tensor)."""
+        mb, copy = options["mb"], options.get("copy", "0")
+        return HeavyDrafter(held.setdefault((mb, copy), torch.zeros(int(mb) << 18)))  # float32: N MB
+
+    with DRAFTERS.registered("heavy", "holds memory", make, options=("mb", "copy", "tag")):
+        for tag in range(20):  # one tensor shared by 20 spellings: 4 MB
+            engine.runtime(f"heavy:mb=4:tag={tag}")
+        assert engine.cached_modes == 20 and engine.drafter_bytes == 4 << 20
+        engine.runtime("heavy:mb=5:copy=1")
+        assert engine.cached_modes == 21 and engine.drafter_bytes == 9 << 20
+        engine.runtime("heavy:mb=3:copy=2")  # 12 MB: every spelling of the 4 MB one goes
+        assert engine.cached_modes == 2 and engine.drafter_bytes == 8 << 20
+        engine.runtime("heavy:mb=16:copy=3")  # alone over the budget: kept, alone
+        assert engine.cached_modes == 1 and engine.drafter_bytes == 16 << 20

@@ -4,6 +4,7 @@ the network's masks and CAPE's table."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -17,13 +18,14 @@ from helpers.models import (
     FLAT_CURVE,
     assert_modes_equal_ar,
     prompts,
+    rss_bytes,
     tiny_model,
 )
 from helpers.stats import VOCAB, assert_sampling_exact
 from llm_worker.assembly import load_model
 from llm_worker.config import EngineConfig, ModelConfig, SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftResources, ModeUnavailableError, UnknownModeError
-from llm_worker.drafters.base import DraftContext
+from llm_worker.drafters.base import DraftContext, storage_bytes
 from llm_worker.drafters.checkpoint import CheckpointMismatchError, load_checkpoint
 from llm_worker.drafters.glide import GlideDrafter, cape_siblings, parse_cape
 from llm_worker.drafters.glide_net import GlideConfig, GlideNet, block_limit, cross_allowed
@@ -214,14 +216,86 @@ def test_a_dotted_output_name_keeps_its_dots(tiny_glide: tuple[object, Path], tm
         assert load_checkpoint(tmp_path / name).kind == "glide"
 
 
-def test_mode_options_are_checked(tiny_glide: tuple[object, Path]) -> None:
+BAD_OPTIONS = (
+    "glide:cape=1/1/1/1",
+    "glide+cape:cape=9",
+    "glide+cape:cape=a/b/c/d",
+    "glide:depth=0",
+    "glide:min_reach=nan",
+    "glide:min_reach=inf",
+    "glide+cape:min_reach=-inf",
+    "glide:min_reach=1.5",
+    "glide:window=-1",
+    "glide:vanilla=2",
+)
+
+
+def test_mode_options_are_checked_before_the_checkpoint(
+    tiny_glide: tuple[object, Path], tmp_path: Path
+) -> None:
+    """A bad option (NaN and infinities included) is refused as such (``UnknownModeError``), also
+    where there is no checkpoint to load: the options are checked first."""
     model, directory = tiny_glide
     target = wrap_model(model, None, ModelConfig(backend="fast"))
-    resources = DraftResources(drafters_dir=directory)
-    DRAFTERS.create("glide+cape:cape=3/2/1/0:depth=4", target, resources)
-    for bad in ("glide:cape=1/1/1/1", "glide+cape:cape=9", "glide+cape:cape=a/b/c/d", "glide:depth=0"):
-        with pytest.raises(UnknownModeError):
-            DRAFTERS.create(bad, target, resources)
+    DRAFTERS.create(
+        "glide+cape:cape=3/2/1/0:depth=4:min_reach=0", target, DraftResources(drafters_dir=directory)
+    )
+    for bad in BAD_OPTIONS:
+        for where in (directory, tmp_path):  # tmp_path: no checkpoint there
+            with pytest.raises(UnknownModeError):
+                DRAFTERS.create(bad, target, DraftResources(drafters_dir=where))
+    with pytest.raises(ModeUnavailableError, match="no glide drafter"):
+        DRAFTERS.create("glide", target, DraftResources(drafters_dir=tmp_path))
+
+
+def test_every_spelling_of_a_mode_shares_one_network(tiny_glide: tuple[object, Path]) -> None:
+    """20 spellings of ``glide`` and ``glide+cape`` hold one network, one fused copy and one pair
+    of RoPE tables: the engine's drafters hold no more tensor bytes than one drafter does; the
+    network is released with the last drafter that holds it."""
+    model, directory = tiny_glide
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    engine = Engine(
+        target, EngineConfig(), curve=FLAT_CURVE, resources=DraftResources(drafters_dir=directory)
+    )
+    first = engine.runtime("glide").drafter
+    assert isinstance(first, GlideDrafter)
+    one = engine.drafter_bytes
+    assert one == storage_bytes(first.tensors()) > 0
+    for i in range(20):
+        drafter = engine.runtime(f"glide{'+cape' if i % 2 else ''}:window={1000 + i}").drafter
+        assert isinstance(drafter, GlideDrafter)
+        assert drafter.network is first.network and drafter.net is first.net and drafter.fast is first.fast
+    assert engine.cached_modes == 21 and engine.drafter_bytes == one
+    assert len(engine.resources.networks) == 1
+    vanilla = engine.runtime("glide:vanilla=1").drafter
+    assert isinstance(vanilla, GlideDrafter) and vanilla.network is not first.network  # another checkpoint
+    assert len(engine.resources.networks) == 2
+    del first, drafter, vanilla
+    engine._modes.clear()
+    gc.collect()
+    assert len(engine.resources.networks) == 0
+
+
+@pytest.mark.slow
+def test_twenty_spellings_of_the_shipped_glide_cost_one_network(
+    real_model: tuple[TargetModel, object],
+) -> None:
+    """Issue 34: each ``glide`` spelling loaded its own copy of the default model's drafter
+    (+115 MiB RSS each). Now 20 spellings raise the process's RSS by less than one network's
+    size plus 50 MB (the first spelling loads it)."""
+    target, _ = real_model
+    engine = Engine(target, EngineConfig(), curve=FLAT_CURVE)
+    before = rss_bytes()
+    network_bytes = 0
+    for i in range(20):
+        mode = f"glide{'+cape' if i % 2 else ''}:window={1000 + i}"
+        engine.runtime(mode)
+        network_bytes = network_bytes or engine.drafter_bytes
+        grown = rss_bytes() - before
+        assert grown < network_bytes + 50e6, (
+            f"{mode}: RSS +{grown / 1e6:.0f} MB, a network {network_bytes / 1e6:.0f} MB"
+        )
+    assert engine.drafter_bytes == network_bytes and len(engine.resources.networks) == 1
 
 
 def test_cape_table() -> None:

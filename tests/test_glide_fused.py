@@ -11,7 +11,7 @@ import torch
 from helpers.models import tiny_model
 from llm_worker.config import ModelConfig
 from llm_worker.drafters.base import DraftContext
-from llm_worker.drafters.glide import GlideDrafter, _State
+from llm_worker.drafters.glide import GlideDrafter, GlideNetwork, _State
 from llm_worker.drafters.glide_net import GlideNet, glide_config_for
 from llm_worker.model import native, quant, wrap_model
 
@@ -41,7 +41,7 @@ def test_fused_network_matches_the_torch_network(cross: bool) -> None:
                     quant.round_to_eight_bit(p * 4)
                 )  # exact 8-bit blocks: the fused network's rounding is a no-op
     d2t = torch.arange(64)
-    drafter = GlideDrafter(target, net, d2t, 8, 0.05, None)
+    drafter = GlideDrafter(GlideNetwork.build(target, net, d2t), 8, 0.05, None)
     assert drafter.fast is not None
 
     state = target.start()
@@ -71,7 +71,7 @@ def test_chain_stops_where_another_token_would_not_pay() -> None:
     target = wrap_model(model, None, ModelConfig(backend="fast"))
     torch.manual_seed(1)
     net = GlideNet(glide_config_for(model, 64))
-    drafter = GlideDrafter(target, net, torch.arange(64), 6, 0.0, None)
+    drafter = GlideDrafter(GlideNetwork.build(target, net, torch.arange(64)), 6, 0.0, None)
     state = target.start()
     tokens = np.random.default_rng(0).integers(1, 60, size=21)
     target.forward(state, torch.tensor(tokens[:20]), None, drafter.needs)
@@ -105,7 +105,7 @@ def test_a_window_drafts_as_the_network_over_its_last_tokens_only() -> None:
         for p in net.parameters():
             if p.dim() == 2:
                 p.copy_(quant.round_to_eight_bit(p * 4))
-    drafter = GlideDrafter(target, net, torch.arange(64), 8, 0.05, None, window=8)
+    drafter = GlideDrafter(GlideNetwork.build(target, net, torch.arange(64)), 8, 0.05, None, window=8)
     fast = drafter.fast
     assert fast is not None
     state = target.start()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from helpers.models import tiny_target
+from llm_worker.drafters import DRAFTERS, UnknownModeError
 from llm_worker.drafters.base import DraftContext
 from llm_worker.drafters.pld_plus import (
     AttentionDrafter,
@@ -87,3 +90,15 @@ def test_branches_merge_the_top_continuations_into_a_tree() -> None:
     assert tree.sources == (1, 2, 5)
     assert tree.features[2].startswith("a8|")
     assert len(top_copies(tokens, np.array([0, 3, 6]), scores, 2, "a", 0.85, branches=3)) == 2
+
+
+@pytest.mark.parametrize("theta", ["nan", "inf", "-inf", "1.5", "-2"])
+def test_theta_must_be_a_finite_score(theta: str) -> None:
+    """``theta`` is a similarity (or attention) score in [-1, 1]: NaN (which no score is below,
+    so it filtered nothing), the infinities and numbers outside are refused, before ``pld+a``
+    looks for its head file (none here)."""
+    target = tiny_target("llama")
+    DRAFTERS.create("pld+h:layer=1:theta=0.3", target)
+    for mode in ("pld+h:layer=1", "pld+a"):
+        with pytest.raises(UnknownModeError, match="theta"):
+            DRAFTERS.create(f"{mode}:theta={theta}", target)

@@ -97,6 +97,8 @@ BAD_REQUESTS = {
     "too long": (build_request(text="hi", options=RequestOptions(max_new_tokens=5000)), "exceeds the model"),
     "top_p": (build_request(text="hi", options=RequestOptions(temperature=1.0, top_p=1.5)), "top_p"),
     "temperature": (build_request(text="hi", options=RequestOptions(temperature=-1.0)), "temperature"),
+    "temperature inf": (build_request(text="hi", options=RequestOptions(temperature=float("inf"))), "finite"),
+    "temperature nan": (build_request(text="hi", options=RequestOptions(temperature=float("nan"))), "finite"),
     "chat role": (build_request(chat=[("robot", "hi")]), "chat role"),
 }
 
@@ -115,6 +117,30 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(
         build_request(text="still there?", options=RequestOptions(max_new_tokens=3)), timeout=30
     )
     assert len(ok.token_ids) >= 1
+
+
+HUGE = 200_000
+HUGE_INPUTS = {
+    "mode": build_request(text="hi", options=RequestOptions(mode="x" * HUGE)),
+    "option key": build_request(text="hi", options=RequestOptions(mode=f"pld:{'k' * HUGE}=1")),
+    "option value": build_request(text="hi", options=RequestOptions(mode=f"pld:max_n={'9' * HUGE}")),
+    "chat role": build_request(chat=[("r" * HUGE, "hi")]),
+}
+
+
+@pytest.mark.parametrize("case", list(HUGE_INPUTS))
+def test_huge_input_is_invalid_argument_with_a_short_message(
+    stub: generation_pb2_grpc.GenerationStub, case: str
+) -> None:
+    """A 200 000-character mode (or option, or chat role) is malformed input: INVALID_ARGUMENT,
+    and the error text quotes only its start (echoed whole, it made the status trailer too large
+    for the client, which saw RESOURCE_EXHAUSTED)."""
+    for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(HUGE_INPUTS[case], timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, err.value.code())
+        assert len(err.value.details()) < 300, err.value.details()[:300]
+        assert "characters" in err.value.details()  # how long it was is said
 
 
 def test_oversized_message_is_resource_exhausted(worker: Worker) -> None:

@@ -232,8 +232,9 @@ def test_the_stack_redis_is_locked_down(stack: tuple[Path, StackState]) -> None:
 @pytest.mark.slow
 def test_chaos_under_load_loses_nothing(tiny_dir: Path, tmp_path: Path) -> None:
     """The chaos run, quick and on the tiny model: a shard killed and restarted, another stopped,
-    redis killed and restarted, the datastore swapped, a worker terminated — under locust load.
-    No request fails, every output equals ar's, health stays answered."""
+    redis killed and restarted, the datastore swapped, the link to a shard partitioned, then slow
+    (200 ms each way), a worker terminated — under locust load. No request fails, every output
+    equals ar's, health p99 stays under its bound, every shard serves v2 at the end."""
     from client.chaos import ChaosConfig, run_chaos
 
     cfg = ChaosConfig(
@@ -254,10 +255,19 @@ def test_chaos_under_load_loses_nothing(tiny_dir: Path, tmp_path: Path) -> None:
         "SIGCONT",
         "SIGKILL redis",
         "swapped",
+        "partition: workers - shard-0",
+        "partition healed",
+        "slow link: workers - shard-1, 200 ms each way",
+        "slow link healed",
         "SIGTERM worker-1",
     ):
         assert expected in events, events
+    assert report["ok"] and report["wrong"] == [], report
     assert report["load"]["requests"] > 0 and report["load"]["failed"] == 0, report
     assert report["outputs"]["compared"] > 0 and report["outputs"]["differ"] == 0, report
     assert report["health"]["worker"]["checks"] > 10, report
+    assert report["health"]["worker"]["p99_ms"] <= cfg.health_p99_ms, report
+    assert report["health"]["datastore"]["p99_ms"] <= cfg.health_p99_ms, report
+    assert report["versions"] == {"shard-0": "v2", "shard-1": "v2"}, report
+    print(f"\nchaos: {json.dumps({k: report[k] for k in ('load', 'outputs', 'health', 'versions')})}")
     assert _processes_mentioning(str(tmp_path)) == []  # everything stopped

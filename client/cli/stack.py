@@ -42,8 +42,8 @@ def add_stack(sub: Any) -> None:
 
     c = sub.add_parser(
         "chaos",
-        help="load a fresh local stack with locust while shards, redis and a worker fail; report failures, "
-        "outputs that differ from ar and health latency",
+        help="load a fresh local stack with locust while shards, redis, links and a worker fail; report "
+        "and check failures, outputs that differ from ar, health latency and the shards' versions",
     )
     c.add_argument(
         "--model", default=None, help="the workers' model directory (default: SmolLM2-135M-Instruct)"
@@ -154,5 +154,6 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     except StackError as exc:
         raise CliError(str(exc)) from exc
     print_json(report, args.json_out, indent=1)
-    ok = report["load"]["failed"] == 0 and report["outputs"]["differ"] == 0
-    return 0 if ok else 1
+    for wrong in report["wrong"]:
+        say(f"chaos: {wrong}")
+    return 0 if report["ok"] else 1

@@ -5,13 +5,15 @@ tree or a batch of draft rows; it never builds attention masks and never sees lo
 engine looks modes up by name here — adding a drafter never means editing the engine.
 
 A mode string is a registered name with optional ``:key=value`` options, e.g. ``pld``,
-``pld+h:layer=12:theta=0.4``.
+``pld+h:layer=12:theta=0.4``, at most ``MAX_MODE_CHARS`` characters. A mode checks its options
+(allowed, well formed, finite, in range) before it loads anything.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch
 from datastore_svc.cache import QueryCache, StatsCache
 from datastore_svc.protocols import Datastore
 from llm_worker.config import SamplingParams
+from llm_worker.drafters.checkpoint import SharedNetworks
 from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.sampling import SamplingNoise
 from llm_worker.types import (
@@ -42,12 +45,18 @@ from llm_worker.types import (
     kv_buffers_key,
     kv_key,
 )
+from specdraft.common import shorten
 
 if TYPE_CHECKING:
     from llm_worker.model.target import KVBuffers, TargetModel
 
 
 T = TypeVar("T")
+OptionT = TypeVar("OptionT", float, None)  # an option's default: a number, or None for "not set"
+
+MAX_MODE_CHARS = 256
+"""The longest mode string a worker takes (the longest sensible one, every option of
+``glide+cape`` spelled out, has about 80 characters)."""
 
 
 class UnknownModeError(ValueError):
@@ -167,6 +176,26 @@ class Drafter(ABC):
         """Feedback after verification (default: none). ``tree`` is what the verdict is about:
         the proposed tree, or a batch's rows merged into their trie."""
 
+    def tensors(self) -> Iterable[torch.Tensor]:
+        """The tensors this drafter holds beyond the target's own (a learned drafter's network
+        and its fused copy; default: none), which the engine's mode runtimes count against their
+        memory budget (``storage_bytes``: drafters that share a network list the same tensors,
+        counted once)."""
+        return ()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: a storage that several tensors view
+    counts once (``storage_bytes([w, w[:2], w.T])`` is ``w``'s bytes)."""
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        if t.layout == torch.strided:
+            storage = t.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+        else:  # an opaque layout (a oneDNN-packed weight): its elements
+            sizes[id(t)] = t.numel() * t.element_size()
+    return sum(sizes.values())
+
 
 @dataclass(frozen=True)
 class DraftResources:
@@ -183,6 +212,9 @@ class DraftResources:
     heads_file: Path | None = None
     """The induction-head calibration ``pld+a`` reads (worker configuration, never a request's:
     None = the one shipped or calibrated for the model)."""
+    networks: SharedNetworks = field(default_factory=SharedNetworks)
+    """Learned drafters' networks loaded from checkpoints, shared by every mode spelling that
+    reads one (``glide:window=1000`` and ``glide:window=1001`` hold one network, not two)."""
 
 
 class DrafterState:
@@ -214,13 +246,18 @@ class DrafterSpec:
 
 
 def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
-    """``"pld+h:layer=12:theta=0.4"`` → ``("pld+h", {"layer": "12", "theta": "0.4"})``."""
+    """``"pld+h:layer=12:theta=0.4"`` → ``("pld+h", {"layer": "12", "theta": "0.4"})``; a string
+    over ``MAX_MODE_CHARS`` characters is refused before it is split."""
+    if len(mode) > MAX_MODE_CHARS:
+        raise UnknownModeError(
+            f"a mode string has at most {MAX_MODE_CHARS} characters, not {shorten(mode)!r}"
+        )
     name, *parts = mode.strip().split(":")
     options: dict[str, str] = {}
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or not key:
-            raise UnknownModeError(f"mode option {part!r} in {mode!r} is not key=value")
+            raise UnknownModeError(f"mode option {shorten(part)!r} in {shorten(mode)!r} is not key=value")
         options[key.strip()] = value.strip()
     return name.strip(), options
 
@@ -278,16 +315,15 @@ class DrafterRegistry:
             return self._specs[name]
         except KeyError:
             known = ", ".join(self._specs)
-            raise UnknownModeError(f"unknown mode {name!r}; known modes: {known}") from None
+            raise UnknownModeError(f"unknown mode {shorten(name)!r}; known modes: {known}") from None
 
     def create(self, mode: str, target: TargetModel, resources: DraftResources | None = None) -> Drafter:
         name, options = parse_mode(mode)
         spec = self.spec(name)
         unknown = set(options) - set(spec.options)
         if unknown:
-            raise UnknownModeError(
-                f"mode {name!r} takes options {list(spec.options) or 'none'}, not {sorted(unknown)}"
-            )
+            given = shorten(str(sorted(unknown)))
+            raise UnknownModeError(f"mode {name!r} takes options {list(spec.options) or 'none'}, not {given}")
         drafter = spec.factory(target, options, resources or DraftResources())
         drafter.name = name
         try:
@@ -326,26 +362,34 @@ def _make_ar(target: TargetModel, options: dict[str, str], resources: DraftResou
 
 
 def int_option(options: dict[str, str], key: str, default: int, lo: int, hi: int) -> int:
+    """``options[key]`` as an integer in [lo, hi] (``UnknownModeError`` otherwise), or ``default``."""
     raw = options.get(key)
     if raw is None:
         return default
     try:
         value = int(raw)
-    except ValueError:
-        raise UnknownModeError(f"option {key}={raw!r} is not an integer") from None
+    except ValueError:  # also a number of more than 4 300 digits
+        raise UnknownModeError(f"option {key}={shorten(raw)!r} is not an integer") from None
     if not lo <= value <= hi:
-        raise UnknownModeError(f"option {key}={value} is outside [{lo}, {hi}]")
+        raise UnknownModeError(f"option {key}={shorten(str(value))} is outside [{lo}, {hi}]")
     return value
 
 
-def float_option(options: dict[str, str], key: str, default: float | None) -> float | None:
+def float_option(
+    options: dict[str, str], key: str, default: OptionT, lo: float, hi: float
+) -> float | OptionT:
+    """``options[key]`` as a finite number in [lo, hi] (``UnknownModeError`` otherwise: ``nan``
+    and ``inf`` parse as floats but are refused), or ``default``."""
     raw = options.get(key)
     if raw is None:
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise UnknownModeError(f"option {key}={raw!r} is not a number") from None
+        raise UnknownModeError(f"option {key}={shorten(raw)!r} is not a number") from None
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise UnknownModeError(f"option {key}={shorten(raw)} is outside [{lo:g}, {hi:g}]")
+    return value
 
 
 def bucket(value: float, bounds: tuple[float, ...]) -> str:

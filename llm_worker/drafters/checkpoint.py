@@ -9,17 +9,23 @@ unit: at every moment, a kill included, the JSON names a complete weights file t
 
 Shipped checkpoints live in the package (``llm_worker/data/drafters/WEIGHTS_ID/``); a worker may
 name its own directory (``--drafters-dir``).
+
+A worker loads each checkpoint once (``SharedNetworks``): every mode spelling that reads it
+(``glide:window=1000``, ``glide:window=1001``, ``glide+cape``) drafts with the same network.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -192,25 +198,67 @@ def find_checkpoint(name: str, weights_id: str, directory: Path | None = None) -
 NetT = TypeVar("NetT")
 
 
-def load_drafter(
-    name: str,
-    kind: str,
-    weights_id: str,
-    directory: Path | None,
-    build: Callable[[DrafterCheckpoint], NetT],
-) -> tuple[NetT, DrafterCheckpoint, Path]:
-    """The checkpoint ``name`` of ``kind`` for the target ``weights_id`` (``directory`` first,
-    then the shipped one), the network ``build`` makes of it, and the checkpoint's path;
-    ``CheckpointError`` with a message worth printing if there is none, it is another target's or
-    another kind's, or its config and weights do not make the network."""
+def locate_drafter(name: str, kind: str, weights_id: str, directory: Path | None) -> Path:
+    """The JSON of checkpoint ``name`` for the target ``weights_id`` (``directory`` first, then
+    the shipped one); ``CheckpointError`` saying how to make one if there is none."""
     path = find_checkpoint(name, weights_id, directory)
     if path is None:
         where = f"{directory} or " if directory is not None else ""
         raise CheckpointError(
             f"no {name} drafter for this model in {where}the package; train one with `specdraft train {kind}`"
         )
+    return path
+
+
+def load_drafter(
+    path: Path, kind: str, weights_id: str, build: Callable[[DrafterCheckpoint], NetT]
+) -> tuple[NetT, DrafterCheckpoint]:
+    """The checkpoint at ``path`` and the network ``build`` makes of it; ``CheckpointError`` with
+    a message worth printing if it is another target's (``weights_id``) or another kind's, or its
+    config and weights do not make the network."""
     ckpt = load_checkpoint(path, weights_id, kind=kind)
     try:
-        return build(ckpt), ckpt, path
+        return build(ckpt), ckpt
     except (ValueError, TypeError, RuntimeError) as exc:  # a config or weights that do not make the network
         raise CheckpointError(f"{path}: not a usable {kind.upper()} checkpoint ({exc})") from None
+
+
+class SharedNetworks:
+    """Drafter networks loaded from checkpoints, one per checkpoint file and target, whatever a
+    mode's options: ``glide:window=1000`` and ``glide:window=1001`` draft with one network (and
+    one fused copy of it), not two. A network is kept while some drafter holds it (weak
+    references); a checkpoint replaced on disk (another file at its path) is loaded afresh."""
+
+    def __init__(self) -> None:
+        self._loaded: weakref.WeakValueDictionary[tuple[object, ...], Any] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()  # held while loading: two first uses load once
+
+    def get(self, target: object, path: Path, load: Callable[[], NetT]) -> NetT:
+        """What ``load`` makes of the checkpoint at ``path`` for ``target``, made on first use.
+        It must hold ``target``, so that no other target takes its ``id`` while it is kept."""
+        try:
+            stat = path.stat()
+        except OSError:
+            raise CheckpointError(f"{path}: unreadable") from None
+        key = (id(target), str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        with self._lock:
+            found = self._loaded.get(key)
+            if found is None:
+                found = load()
+                self._loaded[key] = found
+                _release_free_heap()
+            return cast(NetT, found)
+
+    def __len__(self) -> int:
+        """How many networks are loaded now."""
+        return len(self._loaded)
+
+
+def _release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing where the
+    C library has none). A network's load frees temporaries several times its own size (the
+    checkpoint's tensors, the fused copy's rounding and packing), which glibc would otherwise keep
+    in the worker's resident memory."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

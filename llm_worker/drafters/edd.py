@@ -29,11 +29,16 @@ Every node carries a feature (the draft's probability of it, bucketed) for the p
 On the fast backend's fused kernels the network runs through the target's operations
 (``edd_fused``: one K/V buffer per request, the soft prompt first and the step's block rows
 after it); elsewhere through torch (``edd_net``).
+
+A mode's options are checked before its checkpoint is read; the network, its fused copy and its
+RoPE tables (``EddNetwork``) are loaded once per worker and shared by every spelling of both
+modes (``checkpoint.SharedNetworks``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,12 +52,17 @@ from llm_worker.drafters.base import (
     DrafterState,
     DraftResources,
     ModeUnavailableError,
-    UnknownModeError,
     bucket,
     float_option,
     int_option,
 )
-from llm_worker.drafters.checkpoint import CheckpointError, DrafterCheckpoint, load_drafter
+from llm_worker.drafters.checkpoint import (
+    CheckpointError,
+    DrafterCheckpoint,
+    SharedNetworks,
+    load_drafter,
+    locate_drafter,
+)
 from llm_worker.drafters.edd_fused import FusedEdd
 from llm_worker.drafters.edd_net import EddConfig, EddNet, target_head_rows
 from llm_worker.drafters.glide_fused import DraftKV, fused_ops
@@ -78,6 +88,37 @@ class EddOptions:
     """Children per expanded node: the draft's most likely tokens."""
     width: int = 1
     """The most nodes expanded per depth (one draft forward each depth)."""
+
+
+@dataclass(eq=False)
+class EddNetwork:
+    """What every EDD drafter of one checkpoint and target shares, whatever its mode and options:
+    the network, its draft vocabulary, the checkpoint's ``meta``, the RoPE tables and, on the fast
+    backend's fused kernels, the network's 8-bit copy."""
+
+    target: TargetModel
+    net: EddNet
+    d2t: torch.Tensor  # [V] target id of each draft id
+    meta: dict[str, Any]
+    cos: torch.Tensor  # [max_context, head_dim]
+    sin: torch.Tensor  # [max_context, head_dim]
+    fast: FusedEdd | None
+    """The network on the fused kernels; None where they are off (--no-fused) or do not fit."""
+
+    @classmethod
+    def build(
+        cls, target: TargetModel, net: EddNet, d2t: torch.Tensor, meta: dict[str, Any] | None = None
+    ) -> EddNetwork:
+        net = net.eval()
+        cos, sin = rope_tables(target.model, target.info.max_context)
+        ops = fused_ops(target)
+        fast = FusedEdd(net, ops, cos, sin) if ops is not None and FusedEdd.supports(net) else None
+        return cls(target, net, d2t, meta or {}, cos, sin, fast)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held here (``base.storage_bytes`` of them: its memory)."""
+        fused = self.fast.tensors() if self.fast is not None else []
+        return [*self.net.parameters(), *self.net.buffers(), self.d2t, self.cos, self.sin, *fused]
 
 
 @dataclass
@@ -111,19 +152,21 @@ def _children(probs: torch.Tensor, topk: int, first: int | None) -> list[int]:
 class EddDrafter(Drafter):
     gated = True  # draft forwards run before the planner decides
 
-    def __init__(self, target: TargetModel, net: EddNet, d2t: torch.Tensor, options: EddOptions) -> None:
-        self.target = target
-        self.net = net.eval()
-        self.cfg: EddConfig = net.cfg
-        self.d2t = d2t  # [V] target id of each draft id
+    def __init__(self, network: EddNetwork, options: EddOptions) -> None:
+        self.network = network  # shared with the other EDD drafters of the checkpoint
+        self.target = network.target
+        self.net = network.net
+        self.cfg: EddConfig = network.net.cfg
+        self.d2t = network.d2t  # [V] target id of each draft id
         self.options = options
-        self.embed = target.model.get_input_embeddings()
-        self.cos, self.sin = rope_tables(target.model, target.info.max_context)  # [max_context, d]
+        self.embed = self.target.model.get_input_embeddings()
+        self.cos, self.sin = network.cos, network.sin  # [max_context, d]
         self.needs = ArtifactNeeds(hidden_layers=frozenset({self.cfg.prompt_layer}))
         self.forward_seconds: float | None = None  # one block forward, measured (EMA)
-        # On the fast backend's fused kernels unless they are off (--no-fused) or do not fit.
-        ops = fused_ops(target)
-        self.fast = FusedEdd(net, ops, self.cos, self.sin) if ops and FusedEdd.supports(net) else None
+        self.fast = network.fast  # None: the network runs in torch
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        return self.network.tensors()
 
     def _catch_up(self, ctx: DraftContext) -> _State:
         """The soft prompt's K/V extended over the committed positions 0 .. T-2 it lacks (kept
@@ -259,9 +302,7 @@ class EddDrafter(Drafter):
         )
 
 
-def load_edd(target: TargetModel, directory: Path | None) -> tuple[EddNet, torch.Tensor, dict[str, Any]]:
-    """The ``edd`` checkpoint for ``target`` (``--drafters-dir`` first, then the shipped one):
-    the network, its draft vocabulary and the checkpoint's ``meta``."""
+def _load_edd(target: TargetModel, path: Path) -> EddNetwork:
     info = target.info
 
     def build(ckpt: DrafterCheckpoint) -> EddNet:
@@ -273,11 +314,7 @@ def load_edd(target: TargetModel, directory: Path | None) -> tuple[EddNet, torch
         net.load_state_dict(weights)
         return net
 
-    try:
-        weights_id = info.weights_id or info.fingerprint
-        net, ckpt, path = load_drafter(CHECKPOINT, "edd", weights_id, directory, build)
-    except CheckpointError as exc:
-        raise ModeUnavailableError(str(exc)) from None
+    net, ckpt = load_drafter(path, "edd", info.weights_id or info.fingerprint, build)
     cfg = net.cfg
     if (
         int(ckpt.d2t.max()) >= info.vocab_size
@@ -289,16 +326,26 @@ def load_edd(target: TargetModel, directory: Path | None) -> tuple[EddNet, torch
         raise ModeUnavailableError(
             f"{path}: the drafter does not fit this model's vocabulary, layers or heads"
         )
-    return net, ckpt.d2t, ckpt.meta
+    return EddNetwork.build(target, net, ckpt.d2t, ckpt.meta)
+
+
+def load_edd(target: TargetModel, directory: Path | None, shared: SharedNetworks | None = None) -> EddNetwork:
+    """The ``edd`` checkpoint for ``target`` (``--drafters-dir`` first, then the shipped one) as a
+    network drafters share; through ``shared``, loaded once for all the worker's drafters."""
+    weights_id = target.info.weights_id or target.info.fingerprint
+    try:
+        path = locate_drafter(CHECKPOINT, "edd", weights_id, directory)
+        if shared is None:
+            return _load_edd(target, path)
+        return shared.get(target, path, lambda: _load_edd(target, path))
+    except CheckpointError as exc:
+        raise ModeUnavailableError(str(exc)) from None
 
 
 def parse_options(options: dict[str, str], tree: bool) -> EddOptions:
     """A mode's options, checked (``UnknownModeError``) before any checkpoint is read."""
     depth = int_option(options, "depth", 8 if not tree else 6, 1, 64)
-    min_reach = float_option(options, "min_reach", 0.05 if not tree else 0.02)
-    assert min_reach is not None
-    if not 0.0 <= min_reach <= 1.0:
-        raise UnknownModeError(f"option min_reach={min_reach} is outside [0, 1]")
+    min_reach = float_option(options, "min_reach", 0.05 if not tree else 0.02, 0.0, 1.0)
     if not tree:
         return EddOptions(depth=depth, min_reach=min_reach)
     topk = int_option(options, "topk", 4, 1, 16)
@@ -308,8 +355,7 @@ def parse_options(options: dict[str, str], tree: bool) -> EddOptions:
 
 def _make(target: TargetModel, options: dict[str, str], resources: DraftResources, tree: bool) -> Drafter:
     opts = parse_options(options, tree)
-    net, d2t, _ = load_edd(target, resources.drafters_dir)
-    return EddDrafter(target, net, d2t, opts)
+    return EddDrafter(load_edd(target, resources.drafters_dir, resources.networks), opts)
 
 
 @DRAFTERS.register(

@@ -56,6 +56,13 @@ class FusedEdd:
         self.down = linear(net.down.weight)
         self.head = linear(net.head.weight)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this copy of the network holds."""
+        held = [self.cos, self.sin, self.sin_signed, self.ln_prompt, self.ln_in, self.ln_mlp, self.norm]
+        for linear in (self.prompt_kv, self.qkv, self.o, self.gate_up, self.down, self.head):
+            held += linear.tensors()
+        return held
+
     @staticmethod
     def supports(net: EddNet) -> bool:
         cfg = net.cfg

@@ -24,12 +24,16 @@ Verification matches every node against the target's token, so siblings need no 
 
 Every node carries a feature (the draft's probability of it, bucketed) so the planner calibrates
 acceptance by the draft's own confidence and keeps only the nodes that pay for their verify cost.
+
+A mode's options are checked before its checkpoint is read; the network, its fused copy and its
+RoPE tables (``GlideNetwork``) are loaded once per worker and shared by every spelling of the
+mode (``checkpoint.SharedNetworks``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,12 +52,19 @@ from llm_worker.drafters.base import (
     float_option,
     int_option,
 )
-from llm_worker.drafters.checkpoint import CheckpointError, DrafterCheckpoint, load_drafter
+from llm_worker.drafters.checkpoint import (
+    CheckpointError,
+    DrafterCheckpoint,
+    SharedNetworks,
+    load_drafter,
+    locate_drafter,
+)
 from llm_worker.drafters.glide_fused import DraftKV, FusedGlide, fused_ops
 from llm_worker.drafters.glide_net import GlideConfig, GlideNet, cross_allowed, rope_tables
 from llm_worker.model.target import TargetModel
 from llm_worker.sampling import warp_logits
 from llm_worker.types import ArtifactNeeds, DraftTree, causal_mask
+from specdraft.common import shorten
 
 CAPE_BOUNDS = (0.3, 0.6, 0.8, 1.0)
 DEFAULT_CAPE = (7, 5, 3, 1)
@@ -91,10 +102,72 @@ def parse_cape(raw: str | None, default: tuple[int, ...] = DEFAULT_CAPE) -> tupl
     try:
         table = tuple(int(x) for x in raw.split("/"))
     except ValueError:
-        raise UnknownModeError(f"cape={raw!r}: four counts like 7/5/3/1") from None
+        raise UnknownModeError(f"cape={shorten(raw)!r}: four counts like 7/5/3/1") from None
     if not valid_cape(table):
-        raise UnknownModeError(f"cape={raw!r}: four counts in [0, {MAX_SIBLINGS}] like 7/5/3/1")
+        raise UnknownModeError(f"cape={shorten(raw)!r}: four counts in [0, {MAX_SIBLINGS}] like 7/5/3/1")
     return table
+
+
+@dataclass(frozen=True)
+class GlideOptions:
+    """One mode string's drafting settings (``glide:depth=6:window=32``), checked."""
+
+    vanilla: bool = False
+    """The ablation without cross-attention (the ``glide-vanilla`` checkpoint)."""
+    depth: int = 8
+    """The most chain tokens."""
+    min_reach: float = 0.05
+    """The chain stops when the product of the draft's top-1 probabilities falls below it."""
+    window: int = DEFAULT_WINDOW
+    """The draft's own attention starts this many tokens before a new request's root (0: all)."""
+    cape: tuple[int, ...] | None = None
+    """``glide+cape``'s siblings per confidence band given in the mode string; None: the
+    checkpoint's table, else ``DEFAULT_CAPE``."""
+
+
+def parse_options(options: dict[str, str]) -> GlideOptions:
+    """A mode's options, checked (``UnknownModeError``) before any checkpoint is read:
+    ``parse_options({"depth": "6"})`` → ``GlideOptions(depth=6)``; ``{"min_reach": "nan"}`` is
+    refused."""
+    raw_cape = options.get("cape")
+    return GlideOptions(
+        vanilla=bool(int_option(options, "vanilla", 0, 0, 1)),
+        depth=int_option(options, "depth", 8, 1, 64),
+        min_reach=float_option(options, "min_reach", 0.05, 0.0, 1.0),
+        window=int_option(options, "window", DEFAULT_WINDOW, 0, 1 << 20),
+        cape=parse_cape(raw_cape) if raw_cape is not None else None,
+    )
+
+
+@dataclass(eq=False)
+class GlideNetwork:
+    """What every glide drafter of one checkpoint and target shares, whatever its mode's options:
+    the network, its draft vocabulary, the checkpoint's ``meta``, the RoPE tables and, on the
+    fast backend's fused kernels, the network's 8-bit copy."""
+
+    target: TargetModel
+    net: GlideNet
+    d2t: torch.Tensor  # [V] target id of each draft id
+    meta: dict[str, Any]
+    cos: torch.Tensor  # [max_context, head_dim]
+    sin: torch.Tensor  # [max_context, head_dim]
+    fast: FusedGlide | None
+    """The network on the fused kernels; None where they are off (--no-fused) or do not fit."""
+
+    @classmethod
+    def build(
+        cls, target: TargetModel, net: GlideNet, d2t: torch.Tensor, meta: dict[str, Any] | None = None
+    ) -> GlideNetwork:
+        net = net.eval()
+        cos, sin = rope_tables(target.model, target.info.max_context)
+        ops = fused_ops(target)
+        fast = FusedGlide(net, ops, cos, sin) if ops is not None and FusedGlide.supports(net) else None
+        return cls(target, net, d2t, meta or {}, cos, sin, fast)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held here (``base.storage_bytes`` of them: its memory)."""
+        fused = self.fast.tensors() if self.fast is not None else []
+        return [*self.net.parameters(), *self.net.buffers(), self.d2t, self.cos, self.sin, *fused]
 
 
 @dataclass
@@ -111,30 +184,28 @@ class GlideDrafter(Drafter):
 
     def __init__(
         self,
-        target: TargetModel,
-        net: GlideNet,
-        d2t: torch.Tensor,
+        network: GlideNetwork,
         depth: int,
         min_reach: float,
         cape: tuple[int, ...] | None,
         window: int = 0,
     ) -> None:
-        self.target = target
-        self.net = net.eval()
-        self.cfg: GlideConfig = net.cfg
-        self.d2t = d2t  # [V] target id of each draft id
+        self.network = network  # shared with the other glide drafters of the checkpoint
+        self.target = network.target
+        self.net = network.net
+        self.cfg: GlideConfig = network.net.cfg
+        self.d2t = network.d2t  # [V] target id of each draft id
         self.depth, self.min_reach, self.cape = depth, min_reach, cape
         self.window = window  # 0: the draft's own attention covers the whole context
-        self.embed = target.model.get_input_embeddings()
-        self.cos, self.sin = rope_tables(target.model, target.info.max_context)
+        self.embed = self.target.model.get_input_embeddings()
+        self.cos, self.sin = network.cos, network.sin
         self.needs = ArtifactNeeds(kv_layers=frozenset({self.cfg.target_layer}))
         self.token_seconds: float | None = None  # one chain token's draft forward, measured (EMA)
         self._to_draft: dict[int, int] | None = None  # target id -> draft id (``depth_ranks``)
-        # On the fast backend's fused kernels unless they are off (--no-fused) or do not fit.
-        ops = fused_ops(target)
-        self.fast = None
-        if ops is not None and FusedGlide.supports(net):
-            self.fast = FusedGlide(net, ops, self.cos, self.sin)
+        self.fast = network.fast  # None: the network runs in torch
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        return self.network.tensors()
 
     def _forward(
         self,
@@ -302,22 +373,13 @@ def checkpoint_cape(meta: dict[str, Any]) -> tuple[int, ...] | None:
     return tuple(raw) if isinstance(raw, list) and valid_cape(raw) else None
 
 
-def load_glide(
-    target: TargetModel, name: str, directory: Path | None
-) -> tuple[GlideNet, torch.Tensor, dict[str, Any]]:
-    """The checkpoint ``name`` for ``target`` (``--drafters-dir`` first, then the shipped one):
-    the network, its draft vocabulary and the checkpoint's ``meta``."""
-
+def _load_glide(target: TargetModel, path: Path) -> GlideNetwork:
     def build(ckpt: DrafterCheckpoint) -> GlideNet:
         net = GlideNet(GlideConfig.from_json(ckpt.config))
         net.load_state_dict(ckpt.weights)
         return net
 
-    weights_id = target.info.weights_id or target.info.fingerprint
-    try:
-        net, ckpt, path = load_drafter(name, "glide", weights_id, directory, build)
-    except CheckpointError as exc:
-        raise ModeUnavailableError(str(exc)) from None
+    net, ckpt = load_drafter(path, "glide", target.info.weights_id or target.info.fingerprint, build)
     cfg = net.cfg
     if (
         int(ckpt.d2t.max()) >= target.info.vocab_size
@@ -325,22 +387,34 @@ def load_glide(
         or cfg.head_dim != target.info.head_dim
     ):
         raise ModeUnavailableError(f"{path}: the drafter does not fit this model's vocabulary or heads")
-    return net, ckpt.d2t, ckpt.meta
+    if target.info.num_layers <= cfg.target_layer:
+        raise ModeUnavailableError(f"{path}: the drafter reads a layer this model does not have")
+    return GlideNetwork.build(target, net, ckpt.d2t, ckpt.meta)
+
+
+def load_glide(
+    target: TargetModel, name: str, directory: Path | None, shared: SharedNetworks | None = None
+) -> GlideNetwork:
+    """The checkpoint ``name`` for ``target`` (``--drafters-dir`` first, then the shipped one) as
+    a network drafters share; through ``shared``, loaded once for all the worker's drafters."""
+    weights_id = target.info.weights_id or target.info.fingerprint
+    try:
+        path = locate_drafter(name, "glide", weights_id, directory)
+        if shared is None:
+            return _load_glide(target, path)
+        return shared.get(target, path, lambda: _load_glide(target, path))
+    except CheckpointError as exc:
+        raise ModeUnavailableError(str(exc)) from None
 
 
 def _make(target: TargetModel, options: dict[str, str], resources: DraftResources, cape: bool) -> Drafter:
-    vanilla = int_option(options, "vanilla", 0, 0, 1)
+    opts = parse_options(options)
     if target.info.backend not in ("fast", "hf"):
         raise ModeUnavailableError("glide needs a backend that exposes its KV cache")
-    net, d2t, meta = load_glide(target, "glide-vanilla" if vanilla else "glide", resources.drafters_dir)
-    if target.info.num_layers <= net.cfg.target_layer:
-        raise ModeUnavailableError("the drafter reads a layer this model does not have")
-    depth = int_option(options, "depth", 8, 1, 64)
-    min_reach = float_option(options, "min_reach", 0.05)
-    assert min_reach is not None
-    table = parse_cape(options.get("cape"), checkpoint_cape(meta) or DEFAULT_CAPE) if cape else None
-    window = int_option(options, "window", DEFAULT_WINDOW, 0, 1 << 20)
-    return GlideDrafter(target, net, d2t, depth, min_reach, table, window)
+    name = "glide-vanilla" if opts.vanilla else "glide"
+    network = load_glide(target, name, resources.drafters_dir, resources.networks)
+    table = (opts.cape or checkpoint_cape(network.meta) or DEFAULT_CAPE) if cape else None
+    return GlideDrafter(network, opts.depth, opts.min_reach, table, opts.window)
 
 
 @DRAFTERS.register(

@@ -128,6 +128,16 @@ class FusedGlide:
         self.norm = net.norm.weight.detach().float().contiguous()
         self.head = _linear(net.head.weight)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this copy of the network holds."""
+        held = [self.cos, self.sin, self.sin_signed, self.norm, *self.head.tensors()]
+        for layer in self.layers:
+            held += [layer.ln_self, layer.ln_mlp, *layer.qkv.tensors(), *layer.o.tensors()]
+            held += [*layer.gate_up.tensors(), *layer.down.tensors()]
+            if layer.ln_cross is not None and layer.cq is not None and layer.co is not None:
+                held += [layer.ln_cross, *layer.cq.tensors(), *layer.co.tensors()]
+        return held
+
     @staticmethod
     def supports(net: GlideNet) -> bool:
         cfg = net.cfg

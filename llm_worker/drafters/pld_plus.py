@@ -157,7 +157,7 @@ def default_hidden_layer(target: TargetModel) -> int:
 def _make_pld_h(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     layer = int_option(options, "layer", default_hidden_layer(target), 0, target.info.num_layers)
     branches = int_option(options, "branches", 1, 1, 16)
-    return HiddenStateDrafter(layer, float_option(options, "theta", None), branches)
+    return HiddenStateDrafter(layer, float_option(options, "theta", None, -1.0, 1.0), branches)
 
 
 @DRAFTERS.register(
@@ -166,6 +166,10 @@ def _make_pld_h(target: TargetModel, options: dict[str, str], resources: DraftRe
     ("heads", "theta", "branches"),
 )
 def _make_pld_a(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
+    info = target.info
+    count = int_option(options, "heads", DEFAULT_HEADS, 1, info.num_layers * info.num_heads)
+    branches = int_option(options, "branches", 1, 1, 16)
+    theta = float_option(options, "theta", None, -1.0, 1.0)
     if not target.supports_queries:
         raise ModeUnavailableError(
             f"pld+a reads per-head attention, which the {target.info.backend} backend does not expose; "
@@ -184,7 +188,6 @@ def _make_pld_a(target: TargetModel, options: dict[str, str], resources: DraftRe
         raise ModeUnavailableError(
             "the worker's induction-head file is not valid (the worker log says why)"
         ) from None
-    info = target.info
     outside = [
         (h.layer, h.head)
         for h in heads.heads
@@ -195,6 +198,4 @@ def _make_pld_a(target: TargetModel, options: dict[str, str], resources: DraftRe
             f"the worker's induction-head file names head {outside[0]}, which does not exist in this model "
             f"({info.num_layers} layers × {info.num_heads} heads); the file was calibrated for another model"
         )
-    count = int_option(options, "heads", DEFAULT_HEADS, 1, info.num_layers * info.num_heads)
-    branches = int_option(options, "branches", 1, 1, 16)
-    return AttentionDrafter(heads.top(count), float_option(options, "theta", None), branches)
+    return AttentionDrafter(heads.top(count), theta, branches)

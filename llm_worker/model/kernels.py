@@ -255,6 +255,12 @@ class Linear:
             self.pairs = pack_bf16(weight)
             self.bias = bias.float() if bias is not None else None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this product holds: its weight and bias, and the packed forms of them."""
+        b = self.blocks
+        packed = (b.codes, b.scales, b.offsets) if b is not None else ()
+        return [t for t in (self.weight, self.bias, self.packed, self.pairs, *packed) if t is not None]
+
     def nbytes(self) -> int:
         """Bytes of weights one product reads."""
         if self.blocks is not None:

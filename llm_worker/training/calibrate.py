@@ -84,13 +84,11 @@ def run_cape(
     if not questions:
         raise PipelineError(f"{questions_path}: no questions")
     try:
-        net, d2t, _ = load_glide(target, checkpoint.stem, checkpoint.parent)
+        network = load_glide(target, checkpoint.stem, checkpoint.parent)
     except (CheckpointError, ModeUnavailableError) as exc:
         raise PipelineError(str(exc)) from None
     # as ``glide`` drafts by default: its own attention from a window before a new request's root
-    drafter = GlideDrafter(
-        target, net, d2t, depth=config.depth, min_reach=0.0, cape=None, window=DEFAULT_WINDOW
-    )
+    drafter = GlideDrafter(network, depth=config.depth, min_reach=0.0, cape=None, window=DEFAULT_WINDOW)
     engine = Engine(target)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     began = time.perf_counter()

@@ -1,8 +1,9 @@
 """Tiny models, targets and engines; greedy identity with ``ar`` and the drafting that makes it
-mean something; cost curves; the tiny models' test prompts."""
+mean something; cost curves; the tiny models' test prompts; the process's resident memory."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -256,3 +257,9 @@ def assert_modes_equal_ar(
             assert_greedy_identical(target, prompt, ref, res.token_ids, f"{label}/{mode}/prompt{i}")
             tally.observe(mode, res.stats)
     tally.assert_every_mode_drafted_and_accepted(label)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (not its peak, which ``ru_maxrss`` gives)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
