@@ -65,8 +65,7 @@ from llm_worker.drafters.checkpoint import (
 )
 from llm_worker.drafters.edd_fused import FusedEdd
 from llm_worker.drafters.edd_net import EddConfig, EddNet, target_head_rows
-from llm_worker.drafters.glide_fused import DraftKV, fused_ops
-from llm_worker.drafters.glide_net import rope_tables
+from llm_worker.drafters.glide_fused import DraftKV, DraftNetwork
 from llm_worker.drafters.pct import expand_order, prune
 from llm_worker.model.target import TargetModel
 from llm_worker.sampling import warp_logits
@@ -91,34 +90,16 @@ class EddOptions:
 
 
 @dataclass(eq=False)
-class EddNetwork:
-    """What every EDD drafter of one checkpoint and target shares, whatever its mode and options:
-    the network, its draft vocabulary, the checkpoint's ``meta``, the RoPE tables and, on the fast
-    backend's fused kernels, the network's 8-bit copy."""
-
-    target: TargetModel
-    net: EddNet
-    d2t: torch.Tensor  # [V] target id of each draft id
-    meta: dict[str, Any]
-    cos: torch.Tensor  # [max_context, head_dim]
-    sin: torch.Tensor  # [max_context, head_dim]
-    fast: FusedEdd | None
-    """The network on the fused kernels; None where they are off (--no-fused) or do not fit."""
+class EddNetwork(DraftNetwork[EddNet, FusedEdd]):
+    """``DraftNetwork`` for ``edd`` and ``edd+pct``: one per checkpoint and target."""
 
     @classmethod
     def build(
         cls, target: TargetModel, net: EddNet, d2t: torch.Tensor, meta: dict[str, Any] | None = None
     ) -> EddNetwork:
         net = net.eval()
-        cos, sin = rope_tables(target.model, target.info.max_context)
-        ops = fused_ops(target)
-        fast = FusedEdd(net, ops, cos, sin) if ops is not None and FusedEdd.supports(net) else None
+        cos, sin, fast = cls.parts(target, net, FusedEdd, FusedEdd.supports)
         return cls(target, net, d2t, meta or {}, cos, sin, fast)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held here (``base.storage_bytes`` of them: its memory)."""
-        fused = self.fast.tensors() if self.fast is not None else []
-        return [*self.net.parameters(), *self.net.buffers(), self.d2t, self.cos, self.sin, *fused]
 
 
 @dataclass

@@ -59,8 +59,8 @@ from llm_worker.drafters.checkpoint import (
     load_drafter,
     locate_drafter,
 )
-from llm_worker.drafters.glide_fused import DraftKV, FusedGlide, fused_ops
-from llm_worker.drafters.glide_net import GlideConfig, GlideNet, cross_allowed, rope_tables
+from llm_worker.drafters.glide_fused import DraftKV, DraftNetwork, FusedGlide
+from llm_worker.drafters.glide_net import GlideConfig, GlideNet, cross_allowed
 from llm_worker.model.target import TargetModel
 from llm_worker.sampling import warp_logits
 from llm_worker.types import ArtifactNeeds, DraftTree, causal_mask
@@ -140,34 +140,16 @@ def parse_options(options: dict[str, str]) -> GlideOptions:
 
 
 @dataclass(eq=False)
-class GlideNetwork:
-    """What every glide drafter of one checkpoint and target shares, whatever its mode's options:
-    the network, its draft vocabulary, the checkpoint's ``meta``, the RoPE tables and, on the
-    fast backend's fused kernels, the network's 8-bit copy."""
-
-    target: TargetModel
-    net: GlideNet
-    d2t: torch.Tensor  # [V] target id of each draft id
-    meta: dict[str, Any]
-    cos: torch.Tensor  # [max_context, head_dim]
-    sin: torch.Tensor  # [max_context, head_dim]
-    fast: FusedGlide | None
-    """The network on the fused kernels; None where they are off (--no-fused) or do not fit."""
+class GlideNetwork(DraftNetwork[GlideNet, FusedGlide]):
+    """``DraftNetwork`` for ``glide`` and ``glide+cape``: one per checkpoint and target."""
 
     @classmethod
     def build(
         cls, target: TargetModel, net: GlideNet, d2t: torch.Tensor, meta: dict[str, Any] | None = None
     ) -> GlideNetwork:
         net = net.eval()
-        cos, sin = rope_tables(target.model, target.info.max_context)
-        ops = fused_ops(target)
-        fast = FusedGlide(net, ops, cos, sin) if ops is not None and FusedGlide.supports(net) else None
+        cos, sin, fast = cls.parts(target, net, FusedGlide, FusedGlide.supports)
         return cls(target, net, d2t, meta or {}, cos, sin, fast)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held here (``base.storage_bytes`` of them: its memory)."""
-        fused = self.fast.tensors() if self.fast is not None else []
-        return [*self.net.parameters(), *self.net.buffers(), self.d2t, self.cos, self.sin, *fused]
 
 
 @dataclass

@@ -24,11 +24,13 @@ row).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from llm_worker.drafters.glide_net import GlideLayer, GlideNet, rotate
+from llm_worker.drafters.glide_net import GlideLayer, GlideNet, rope_tables, rotate
 from llm_worker.model.forward import Forward
 from llm_worker.model.kernels import Linear
 from llm_worker.model.ops_cpu import FusedCpuOps
@@ -66,6 +68,50 @@ class DraftKV:
     values: list[torch.Tensor]
     length: int = 0
     offset: int = 0  # the sequence position of entry 0 (a window that starts after the prompt's start)
+
+
+class FusedCopy(Protocol):
+    """A draft network's copy on the fused kernels (``FusedGlide``, ``edd_fused.FusedEdd``)."""
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+NetT = TypeVar("NetT", bound=torch.nn.Module)
+FastT = TypeVar("FastT", bound=FusedCopy)
+
+
+@dataclass(eq=False)
+class DraftNetwork(Generic[NetT, FastT]):
+    """What every drafter of one learned checkpoint and target shares, whatever its mode's
+    options: the network, its draft vocabulary, the checkpoint's ``meta``, the RoPE tables and,
+    on the fast backend's fused kernels, the network's 8-bit copy (``glide.GlideNetwork``,
+    ``edd.EddNetwork``)."""
+
+    target: TargetModel
+    net: NetT
+    d2t: torch.Tensor  # [V] target id of each draft id
+    meta: dict[str, Any]
+    cos: torch.Tensor  # [max_context, head_dim]
+    sin: torch.Tensor  # [max_context, head_dim]
+    fast: FastT | None
+    """The network on the fused kernels; None where they are off (--no-fused) or do not fit."""
+
+    @staticmethod
+    def parts(
+        target: TargetModel,
+        net: NetT,
+        fused: Callable[[NetT, FusedCpuOps, torch.Tensor, torch.Tensor], FastT],
+        fits: Callable[[NetT], bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, FastT | None]:
+        """The RoPE tables for ``target`` and ``net``'s fused copy (``fused``, where ``fits``)."""
+        cos, sin = rope_tables(target.model, target.info.max_context)
+        ops = fused_ops(target)
+        return cos, sin, fused(net, ops, cos, sin) if ops is not None and fits(net) else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held here (``base.storage_bytes`` of them: its memory)."""
+        fused = self.fast.tensors() if self.fast is not None else []
+        return [*self.net.parameters(), *self.net.buffers(), self.d2t, self.cos, self.sin, *fused]
 
 
 def fits_fused(hidden: int, heads: int, head_dim: int, intermediate: int) -> bool:
