@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
-from helpers.models import engine_for, greedy_tokens, prompts, tiny_target
+from helpers.models import engine_for, greedy_tokens, prompts, tiny_model, tiny_target
+from llm_worker.training.data import Completer
 from llm_worker.training.generate import TargetCompleter, sample_top_p
 
 
@@ -81,3 +84,41 @@ def test_top_p_draws_what_a_sort_of_the_whole_vocabulary_draws(scale: float) -> 
             got = sample_top_p(logits, 0.8, top_p, np.random.default_rng([row, 1]))
             want = _nucleus_by_full_sort(logits, 0.8, top_p, np.random.default_rng([row, 1]))
             assert got == want, (scale, row, top_p)
+
+
+class _Tok:
+    pad_token_id = 0
+
+
+def _hf_greedy(model: Any, prefix: list[int], n: int, eos: int) -> tuple[list[int], bool]:
+    out = model.generate(
+        input_ids=torch.tensor([prefix]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )[0, len(prefix) :].tolist()
+    if eos in out:
+        return out[: out.index(eos)], True
+    return out, False
+
+
+def test_the_transformers_loop_writes_what_generate_writes_row_by_row() -> None:
+    """Greedy: each row of a batch (left-padded, sorted by length, finished rows dropped from
+    the cache on the way) is what ``generate`` writes for that prefix alone."""
+    model = tiny_model("llama", vocab=96, seed=3).eval()
+    eos = 95
+    rng = np.random.default_rng(0)
+    batch = [rng.integers(1, 95, size=int(n)).tolist() for n in rng.integers(2, 30, size=12)]
+    loop = Completer(model, _Tok(), [eos], batch_size=5).complete(batch, 40, 0.0, seed=0)  # type: ignore[arg-type]
+    with torch.inference_mode():
+        alone = [_hf_greedy(model, p, 40, eos) for p in batch]
+    assert loop == alone
+    assert any(ended for _, ended in alone), "the model should end some rows early"
+
+
+def test_the_transformers_loop_samples_from_the_nucleus_and_by_its_seed() -> None:
+    model = tiny_model("llama", vocab=96, seed=3).eval()
+    batch = [[5, 6, 7], [9, 10], [11, 12, 13, 14]] * 4
+    completer = Completer(model, _Tok(), [95], batch_size=16)  # type: ignore[arg-type]
+    first = completer.complete(batch, 12, 0.8, seed=4)
+    assert first == completer.complete(batch, 12, 0.8, seed=4)
+    assert first != completer.complete(batch, 12, 0.8, seed=5)
+    completer.top_p = 1e-6  # the nucleus is the likeliest token alone: greedy
+    assert completer.complete(batch, 12, 0.8, seed=4) == completer.complete(batch, 12, 0.0, seed=4)

@@ -15,7 +15,8 @@ does not depend on the order or the number of prompts made; training never reads
 
 Answers are the target's own (greedy for half the conversations, sampled for the other half), made
 in batches by a ``Completes``: the target's own batched forward (``generate.TargetCompleter``, the
-fast backend) or transformers' ``generate`` (left padding). Both files are JSON lines written
+fast backend) or a transformers model's forward in a decode loop of its own (``Completer``, left
+padding). Both files are JSON lines written
 record by record (flushed, fsynced), and a second run skips the ids already written: the
 pipeline resumes after an interruption.
 """
@@ -154,7 +155,7 @@ class JsonlWriter:
 
 
 class Completes(Protocol):
-    """What writes prompts and answers: ``Completer`` (transformers ``generate``) or
+    """What writes prompts and answers: ``Completer`` (a transformers model) or
     ``llm_worker.training.generate.TargetCompleter`` (the target's own batched forward)."""
 
     batch_size: int
@@ -170,13 +171,29 @@ class Completes(Protocol):
 
 
 class Completer:
-    """Batched completions of token prefixes by the target (transformers ``generate``)."""
+    """Batched completions of token prefixes by a transformers model (left padding, its own
+    decode loop over a ``DynamicCache``).
 
-    def __init__(self, model: Any, tokenizer: Tokenizer, eos_ids: Sequence[int], batch_size: int) -> None:
+    ``generate`` keeps every row of a batch until the longest answer ends, pads the batch to its
+    longest prompt and sorts the whole vocabulary of every row at every sampled step (the first
+    GPU run: 3.4 k answer tokens/s on an H100 at 2 048 rows). This loop takes the prefixes of one
+    call in order of length (rows of a batch are about as long), bounds a batch by the tokens its
+    cache will hold (``batch_size`` rows of ``ROW_TOKENS``), drops finished rows from the cache
+    once an eighth of the batch has finished, and samples top-p from the 1 024 likeliest tokens
+    (the whole vocabulary only for a row whose nucleus is wider)."""
+
+    ROW_TOKENS = 640
+    """Cache tokens one row of ``batch_size`` stands for: a batch of longer rows has fewer."""
+    NUCLEUS_FIRST = 1024
+
+    def __init__(
+        self, model: Any, tokenizer: Tokenizer, eos_ids: Sequence[int], batch_size: int, top_p: float = 0.95
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = list(eos_ids)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.batch_size = batch_size
+        self.top_p = top_p
 
     def complete(
         self,
@@ -187,36 +204,92 @@ class Completer:
         seeds: Sequence[int] | None = None,
     ) -> list[tuple[list[int], bool]]:
         """Per prefix: the generated ids (the end token cut off) and whether it ended by itself.
-        ``temperature`` 0 = greedy. ``seeds`` is ignored: ``generate`` samples a batch from one
-        generator, so a sampled answer depends on its batch."""
-        results: list[tuple[list[int], bool]] = []
-        for lo in range(0, len(prefixes), self.batch_size):
-            batch = [list(p) for p in prefixes[lo : lo + self.batch_size]]
-            width = max(len(p) for p in batch)
-            device = self.model.device
-            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-            torch.manual_seed(seed + lo)
-            kwargs: dict[str, Any] = {"do_sample": False}
-            if temperature > 0:
-                kwargs = {"do_sample": True, "temperature": temperature, "top_p": 0.95, "top_k": 0}
-            with torch.inference_mode():
-                out = self.model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=self.eos_ids,
-                    pad_token_id=self.pad,
-                    **kwargs,
-                )
-            for row in out[:, width:].tolist():
-                ended = False
-                for i, token in enumerate(row):
-                    if token in self.eos_ids:
-                        row, ended = row[:i], True
-                        break
-                results.append((row, ended))
+        ``temperature`` 0 = greedy. ``seeds`` is ignored: a batch samples from one generator
+        seeded by ``seed`` and the batch's place, so a sampled answer depends on its batch."""
+        results: list[tuple[list[int], bool]] = [([], False)] * len(prefixes)
+        order = sorted((i for i in range(len(prefixes)) if prefixes[i]), key=lambda i: len(prefixes[i]))
+        budget = self.batch_size * self.ROW_TOKENS
+        lo = 0
+        while lo < len(order):
+            rows = 1
+            while lo + rows < len(order) and rows < self.batch_size:
+                if (rows + 1) * (len(prefixes[order[lo + rows]]) + max_new_tokens) > budget:
+                    break
+                rows += 1
+            batch = order[lo : lo + rows]
+            outs = self._batch([list(prefixes[i]) for i in batch], max_new_tokens, temperature, seed + lo)
+            for i, out in zip(batch, outs, strict=True):
+                results[i] = out
+            lo += rows
         return results
+
+    @torch.inference_mode()
+    def _batch(
+        self, batch: list[list[int]], max_new_tokens: int, temperature: float, seed: int
+    ) -> list[tuple[list[int], bool]]:
+        from transformers import DynamicCache
+
+        device = self.model.device
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        eos = torch.tensor(self.eos_ids, device=device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        cache = DynamicCache()
+        rows = torch.arange(len(batch), device=device)  # each cache row's place in ``batch``
+        out = torch.full((len(batch), max_new_tokens), -1, dtype=torch.long, device=device)
+        ended = torch.zeros(len(batch), dtype=torch.bool, device=device)
+        finished = torch.zeros(len(batch), dtype=torch.bool, device=device)  # per cache row
+        step_ids, step_positions = ids, positions
+        for step in range(max_new_tokens):
+            logits = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1, :]
+            token = self._choose(logits, temperature, generator)
+            live = rows[~finished]
+            out[live, step] = token[~finished]
+            stop = torch.isin(token, eos) & ~finished
+            ended[rows[stop]] = True
+            finished |= stop
+            done = int(finished.sum())
+            if done == finished.numel() or step + 1 == max_new_tokens:
+                break
+            if done and 8 * done >= finished.numel():  # drop the finished rows from the cache
+                keep = (~finished).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                rows, mask, token, finished = rows[keep], mask[keep], token[keep], finished[keep]
+                step_positions = step_positions[keep]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            step_ids = token[:, None]
+            step_positions = step_positions[:, -1:] + 1
+        results = []
+        for row, end in zip(out.tolist(), ended.tolist(), strict=True):
+            tokens = [t for t in row if t >= 0]
+            if end:
+                tokens = tokens[:-1]  # the end token
+            results.append((tokens, end))
+        return results
+
+    def _choose(self, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+        """Each row's next token: the argmax, or a top-p sample at ``temperature``."""
+        if temperature <= 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        k = min(self.NUCLEUS_FIRST, probs.shape[-1])
+        top, index = probs.topk(k, dim=-1)  # likeliest first
+        if bool((top.sum(-1) < self.top_p).any()):  # a nucleus wider than the head: all of it
+            top, index = probs.sort(dim=-1, descending=True)
+        before = top.cumsum(-1) - top  # mass of the likelier tokens
+        top = top.masked_fill(before >= self.top_p, 0.0)  # the first always kept
+        pick = torch.multinomial(top, 1, generator=generator)
+        return index.gather(-1, pick).squeeze(1)
 
 
 def template_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:

@@ -275,6 +275,11 @@ def run_pipeline(
     work = config.work or cache_root() / "train" / weights_id_of(info)
     recipe.check(info)
     torch.manual_seed(config.seed)
+    if config.model.device.startswith("cuda"):
+        # TF32 tensor cores for the float32 target's features and the drafter's training: a
+        # drafter's inputs and gradients need no more than its 10-bit mantissa.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     report = make_data(config, target, tokenizer, work, progress)
     if config.data_only:
         report["seconds"] = round(time.perf_counter() - began, 1)
