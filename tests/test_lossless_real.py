@@ -21,7 +21,8 @@ from llm_worker.verify.verifier import verify_sampling
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 72  # every answer runs this long: an end-of-sequence token does not stop the greedy test
-MODEL_MODES = ["pld", "pld+h", "pld+a", "glide", "glide+cape"]  # every mode needing no datastore, "ar" aside
+# every mode needing no datastore, "ar" aside
+MODEL_MODES = ["pld", "pld+h", "pld+a", "glide", "glide+cape", "edd", "edd+pct"]
 VARIANTS = ["glide:vanilla=1"]  # options of those modes that run another network (float32 only)
 DATASTORE_MODES = ["rest", "rest-batch", "dresd", "dresd-batch"]
 
@@ -61,7 +62,7 @@ def dtype_engine(request, real_model, real_engine):
     return target, Engine(target, real_engine.config, curve=real_engine.cost_curve)
 
 
-@pytest.mark.timeout(1800)  # 10 prompts x (ar + 5 modes, float32: + 1 variant) of 72 tokens
+@pytest.mark.timeout(1800)  # 10 prompts x (ar + 7 modes, float32: + 1 variant) of 72 tokens
 def test_greedy_every_mode_is_token_identical_to_ar(dtype_engine, prompt_ids) -> None:
     """Bit-exact in float32 and bfloat16: no near-tie excuse on the fast backend."""
     target, real_engine = dtype_engine
