@@ -15,8 +15,9 @@ Reported, and checked (``report["ok"]``, the exit status of ``specdraft chaos``)
 sent and how many failed (0), every finished generation compared with what ``ar`` answers to the
 same prompt (0 different), the p50 / p99 of health checks sent to every live worker and shard
 during the run (p99 at most ``health_p99_ms``), and the version every shard serves at the end
-(one, the swapped-in v2). Kills during a rebuild and its swap (the Kubernetes job's steps) are
-not part of this run.
+(one, the swapped-in v2). Kills during a rebuild (``datastore rebuild``, the Kubernetes job)
+are not part of this run: ``tests/test_rebuild.py`` kills one after every step against real
+shards, restarts a shard and reruns it.
 """
 
 from __future__ import annotations

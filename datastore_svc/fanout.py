@@ -395,6 +395,59 @@ def _roll_back(
     return f"rolled back {back} to their previous version"
 
 
+def swap_forward(
+    addresses: Sequence[str],
+    version: str,
+    expected: Sequence[str],
+    security: ClientSecurity | None = None,
+    timeout: float = 600.0,
+    attempts: int = 3,
+) -> list[tuple[str, str]]:
+    """Phase two when there is no going back (``datastore_svc.rebuild``: the shards' start link
+    already names ``version``): make every shard serve ``version``, never return one. Each shard
+    gets the compare-and-swap from ``expected[i]`` (what ``load_all`` reported); one that fails
+    (the shard restarted or changed meanwhile, or the answer was lost) loads ``version`` again,
+    which says what it serves now, and tries again, ``attempts`` times. A shard already on
+    ``version`` is done. Every shard is tried; SwapError names those still behind.
+    (previous, current) per shard, e.g. ``[("v1", "v2"), ("v2", "v2")]`` when shard 1 had
+    restarted on v2."""
+    channels, stubs = _admin_stubs(addresses, security or ClientSecurity())
+    try:
+        done: list[tuple[str, str]] = []
+        behind: list[str] = []
+        for address, stub, before in zip(addresses, stubs, expected, strict=True):
+            try:
+                done.append(_swap_forward(stub, version, before, timeout, attempts))
+            except grpc.RpcError as exc:
+                behind.append(f"{address} ({exc.code().name}: {exc.details()})")
+        if behind:
+            raise SwapError(f"shards still behind {version!r}: {'; '.join(behind)}; a rerun resumes")
+        return done
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def _swap_forward(
+    stub: datastore_pb2_grpc.DatastoreAdminStub, version: str, before: str, timeout: float, attempts: int
+) -> tuple[str, str]:
+    """One shard of ``swap_forward``: (previous, version); the last grpc.RpcError if it never got there."""
+    failure = None
+    for _ in range(attempts):
+        if before == version:
+            return before, version
+        try:
+            request = datastore_pb2.SwapVersionRequest(version=version, expected_previous=before)
+            return stub.SwapVersion(request, timeout=min(timeout, 30.0)).previous, version
+        except grpc.RpcError as exc:
+            failure = exc
+        before = stub.LoadVersion(datastore_pb2.LoadVersionRequest(version=version), timeout=timeout).current
+    if before == version:
+        return before, version
+    assert failure is not None  # attempts >= 1
+    raise failure
+
+
 def swap_all(
     addresses: Sequence[str], version: str, security: ClientSecurity | None = None, timeout: float = 600.0
 ) -> list[tuple[str, str]]:

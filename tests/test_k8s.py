@@ -549,7 +549,10 @@ def test_datastore_storage_is_shared_with_the_rebuild_job(docs: tuple[Manifest, 
     assert int(config["data"]["SHARDS"]) == sts["spec"]["replicas"], "SHARDS must equal the shard count"
 
 
-def test_rebuild_job_builds_then_swaps(docs: tuple[Manifest, ...]) -> None:
+def test_rebuild_job_runs_the_resumable_rebuild(docs: tuple[Manifest, ...]) -> None:
+    """The job runs `datastore rebuild` (marker, build, load, link, switch: tests/test_rebuild.py)
+    on the volume the shards start from, reaching every admin port as the admin, and moves
+    /data/current by no other means."""
     build = by_component(docs, "datastore-build")
     assert build["kind"] in ("Job", "CronJob")
     if build["kind"] == "CronJob":
@@ -558,13 +561,16 @@ def test_rebuild_job_builds_then_swaps(docs: tuple[Manifest, ...]) -> None:
     assert spec["restartPolicy"] in ("Never", "OnFailure")
     container = main_container(build)
     script = " ".join([*container.get("command", []), *container.get("args", [])])
-    build_at, swap_at = script.find("datastore build"), script.find("datastore swap")
-    assert 0 <= build_at < swap_at, "the job must run `datastore build`, then `datastore swap`"
-    assert '--shards "$SHARDS"' in script
-    assert "--admin-addr" in script[swap_at:] and ":50062" in script, "the swap must reach every admin port"
-    assert "--admin-token-file" in script[swap_at:], "the swap needs the admin identity"
-    moved = script.find("/data/current")
-    assert moved > swap_at, "/data/current moves only after every shard swapped"
+    rebuild_at = script.find("datastore rebuild")
+    assert rebuild_at >= 0, "the job must run `datastore rebuild` (its order is what no kill can split)"
+    assert "datastore swap" not in script and "/data/current" not in script, "only the rebuild moves versions"
+    assert "--data /data " in script[rebuild_at:] and '--corpus "$CORPUS"' in script[rebuild_at:]
+    assert '"$SHARDS"' in script, "one admin address per shard, from SHARDS"
+    assert "--admin-addr" in script[rebuild_at:] and ":50062" in script, "it must reach every admin port"
+    assert "--admin-token-file" in script[rebuild_at:], "the swaps need the admin identity"
+    shard_args = main_container(by_component(docs, "datastore"))["args"]
+    assert shard_args[shard_args.index("--datastore") + 1] == "/data/current"
+    assert shard_args[shard_args.index("--versions-root") + 1] == "/data/versions"
     sources = {e["configMapRef"]["name"] for e in container.get("envFrom", [])}
     assert "specdraft-datastore" in sources
 

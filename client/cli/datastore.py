@@ -1,4 +1,4 @@
-"""``specdraft datastore build | generate | local-corpus | bench | eval | info | swap``."""
+"""``specdraft datastore build | generate | local-corpus | bench | eval | info | swap | rebuild``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def add_datastore(sub: Any) -> None:
     _add_eval(dsc_sub)
     _add_info(dsc_sub)
     _add_swap(dsc_sub)
+    _add_rebuild(dsc_sub)
 
 
 def _add_build(dsc_sub: Any) -> None:
@@ -45,13 +46,25 @@ def _add_build(dsc_sub: Any) -> None:
     bd.add_argument("--corpus", help='JSONL of {"text"}, {"prompt","response"} or {"messages"}')
     bd.add_argument("--out", required=True, help="the new version directory (must not exist)")
     bd.add_argument("--shards", type=positive_int, default=1)
-    add_model_args(bd)
-    bd.add_argument("--quiet", action="store_true", help="no progress bars")
-    dn = bd.add_argument_group("dense index (DReSD): the model's hidden states, reduced, in FAISS")
+    _add_version_args(bd, derive=True)
+    bd.set_defaults(func=cmd_build)
+
+
+def _add_version_args(p: argparse.ArgumentParser, derive: bool) -> None:
+    """How ``build`` and ``rebuild`` build a version: the model, progress, the dense index (and,
+    with ``derive``, ``--from``: a dense rebuild over an existing version's tokens)."""
+    add_model_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    dn = p.add_argument_group("dense index (DReSD): the model's hidden states, reduced, in FAISS")
     dn.add_argument("--dense", action="store_true", help="also build the dense index beside the sparse one")
-    dn.add_argument(
-        "--from", dest="source", help="a dense rebuild over this version's tokens (other dims or index type)"
-    )
+    if derive:
+        dn.add_argument(
+            "--from",
+            dest="source",
+            help="a dense rebuild over this version's tokens (other dims or index type)",
+        )
+    else:
+        p.set_defaults(source=None)
     dn.add_argument("--pca-dims", type=positive_int, default=64, help="query / key dimensions")
     dn.add_argument("--index", default="auto", choices=["auto", "flat", "hnsw", "ivf", "ivfpq"])
     dn.add_argument("--hnsw-m", type=positive_int, default=32)
@@ -65,7 +78,6 @@ def _add_build(dsc_sub: Any) -> None:
     dn.add_argument("--stats-sample", type=positive_int, default=262_144, help="vectors PCA is fitted on")
     dn.add_argument("--hidden-cache", help="hidden-state cache (default: ~/.cache/specdraft/hidden)")
     dn.add_argument("--redis", help="publish the statistics to this Redis (redis://HOST:PORT)")
-    bd.set_defaults(func=cmd_build)
 
 
 def _add_generate(dsc_sub: Any) -> None:
@@ -165,6 +177,33 @@ def _add_swap(dsc_sub: Any) -> None:
     dw.set_defaults(func=cmd_swap)
 
 
+def _add_rebuild(dsc_sub: Any) -> None:
+    """``datastore rebuild``."""
+    rb = dsc_sub.add_parser(
+        "rebuild",
+        help="build a version and make it current on every shard and in DATA/current "
+        "(resumable: a rerun finishes a killed one; a restarting shard never goes back)",
+    )
+    rb.add_argument("--corpus", required=True, help="the JSONL corpus (as for build)")
+    rb.add_argument(
+        "--data", required=True, help="the datastore volume: DATA/versions/<V>, DATA/current -> versions/<V>"
+    )
+    rb.add_argument(
+        "--admin-addr",
+        required=True,
+        help="HOST:PORT[,HOST:PORT...] of every shard's admin port; the version is built in as many shards",
+    )
+    rb.add_argument(
+        "--version",
+        default="",
+        help="the new version's name (default: the UTC time, 20250101-030000); a pending one keeps its own",
+    )
+    rb.add_argument("--timeout", type=float, default=600.0, help="seconds each shard may take to load")
+    _add_version_args(rb, derive=False)
+    add_client_security_args(rb, admin=True)
+    rb.set_defaults(func=cmd_rebuild)
+
+
 def _dense_step(args: argparse.Namespace) -> tuple[Extend, Tokenizer, Path]:
     """(the build step adding the dense index, the model's tokenizer, the model directory)."""
     from datastore_svc.dense import IndexParams
@@ -193,18 +232,25 @@ def _dense_step(args: argparse.Namespace) -> tuple[Extend, Tokenizer, Path]:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from datastore_svc.corpus import CorpusError
-    from datastore_svc.dense import DenseError
-    from datastore_svc.reports import build_report
-    from datastore_svc.store import DatastoreError, DatastoreVersion, build, derive_version, read_manifest
-    from datastore_svc.store import tokenizer_identity as identity
-
     if args.source and not args.dense:
         raise CliError("--from adds a dense index to an existing version's tokens: add --dense")
     if bool(args.source) == bool(args.corpus):
         raise CliError("give --corpus FILE (a new version) or --from VERSION --dense (a dense rebuild)")
     if args.corpus and not Path(args.corpus).is_file():
         raise CliError(f"corpus {args.corpus} does not exist")
+    print_json(_build_version(args, Path(args.out), args.shards))
+    return 0
+
+
+def _build_version(args: argparse.Namespace, out: Path, shards: int) -> dict[str, Any]:
+    """Build the version ``out`` in ``shards`` shards as ``args`` say (``--corpus``, or ``--from``
+    with ``--dense``; checked by the caller); its report (``build_report``)."""
+    from datastore_svc.corpus import CorpusError
+    from datastore_svc.dense import DenseError
+    from datastore_svc.reports import build_report
+    from datastore_svc.store import DatastoreError, DatastoreVersion, build, derive_version, read_manifest
+    from datastore_svc.store import tokenizer_identity as identity
+
     extend = None
     if args.dense:
         extend, tokenizer, model_dir = _dense_step(args)
@@ -219,10 +265,10 @@ def cmd_build(args: argparse.Namespace) -> int:
                 != identity(tokenizer)["fingerprint"]
             ):
                 raise CliError(f"{args.source} was built with another tokenizer than {model_dir}'s")
-            derive_version(args.source, args.out, extend)
+            derive_version(args.source, out, extend)
         else:
-            build(args.corpus, tokenizer, args.out, args.shards, str(model_dir), not args.quiet, extend)
-        version = DatastoreVersion(args.out, verify=False)
+            build(args.corpus, tokenizer, out, shards, str(model_dir), not args.quiet, extend)
+        version = DatastoreVersion(out, verify=False)
     except (DatastoreError, CorpusError, DenseError) as exc:
         raise CliError(str(exc)) from exc
     report = build_report(version, time.perf_counter() - t0)
@@ -234,8 +280,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CliError(str(exc)) from exc
         report["dense"]["published_to_redis"] = published
-    print_json(report)
-    return 0
+    return report
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -347,4 +392,29 @@ def cmd_swap(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
     for address, (previous, current) in zip(shards, swapped, strict=True):
         sys.stderr.write(f"{address}: {previous} -> {current}\n")
+    return 0
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    from datastore_svc.fanout import SwapError
+    from datastore_svc.rebuild import STEPS, RebuildConfig, RebuildError, rebuild
+
+    if not Path(args.corpus).is_file():
+        raise CliError(f"corpus {args.corpus} does not exist")
+    shards = addresses(args.admin_addr)
+    cfg = RebuildConfig(
+        Path(args.data), shards, args.version, client_security(args, admin=True), args.timeout
+    )
+
+    def build(out: Path) -> None:
+        print_json(_build_version(args, out, len(shards)))
+
+    def report(step: str, version: str) -> None:
+        sys.stderr.write(f"rebuild of {version}: {STEPS.index(step) + 1}/{len(STEPS)} {step}\n")
+
+    try:
+        version = rebuild(cfg, build, report)
+    except (RebuildError, SwapError) as exc:
+        raise CliError(str(exc)) from exc
+    sys.stderr.write(f"datastore version {version} is current on every shard and in {cfg.data / 'current'}\n")
     return 0
