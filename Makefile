@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus gpu-train clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus gpu-train gpu-scaling clean
 
 setup: $(STAMP)
 
@@ -153,6 +153,11 @@ train-edd: setup
 GPU_OUT ?= bench-out/gpu-train
 gpu-train: setup
 	PY=$(PY) OUT_DIR=$(GPU_OUT) bash scripts/gpu/train.sh
+
+# Held-out acceptance against training-data size on a GPU (scripts/gpu/scaling.sh: glide,
+# glide:vanilla=1 and edd on growing prefixes of the corpus's features; reports into GPU_OUT).
+gpu-scaling: setup
+	PY=$(PY) OUT_DIR=$(GPU_OUT) bash scripts/gpu/scaling.sh
 
 calibrate: setup
 	$(VENV)/bin/specdraft calibrate-heads --ship

@@ -24,6 +24,7 @@ from llm_worker.training.pipeline import (
     Schedule,
     StageBar,
     TrainingRun,
+    first_answer_tokens,
     run_pipeline,
 )
 from llm_worker.training.recipes import (
@@ -211,6 +212,7 @@ def test_the_cli_defaults_are_the_librarys() -> None:
         "max_answer_tokens",
         "generate_batch",
         "max_feature_gb",
+        "train_answer_tokens",
         "vocab",
         "max_minutes",
         "seed",
@@ -309,3 +311,33 @@ def test_the_learning_rate_runs_out_with_the_time_limit() -> None:
     assert trainer.lr_at(100, 1.0) == pytest.approx(0.0, abs=1e-12)  # the time is up: decayed
     assert trainer.lr_at(100, 0.5) < trainer.lr_at(100, 0.0)
     assert trainer.lr_at(999, 0.2) == pytest.approx(trainer.lr_at(999))  # the steps run out first
+
+
+def _answers(n: int) -> Sequence_:
+    mask = torch.zeros(n + 3, dtype=torch.bool)
+    mask[2 : 2 + n] = True
+    return Sequence_(torch.zeros(n + 3, dtype=torch.long), mask, None, None, torch.zeros(n, 4), mask)
+
+
+def test_a_data_scaling_run_trains_on_a_prefix_of_the_cache(tiny_dir: Path, tmp_path: Path) -> None:
+    """``train_answer_tokens`` keeps the first conversations until they hold that many answer
+    tokens; the report says how many the trainer got."""
+    seqs = [_answers(300), _answers(200), _answers(400)]
+    assert first_answer_tokens(seqs, 450) == seqs[:2]
+    assert first_answer_tokens(seqs, 300) == seqs[:1]
+    assert first_answer_tokens(seqs, None) == seqs
+    got: list[int] = []
+
+    @dataclass(frozen=True)
+    class CountingRecipe(ToyRecipe):
+        def build_trainer(self, target, d2t, train, heldout, run):  # type: ignore[no-untyped-def]
+            got.append(len(train))
+            return super().build_trainer(target, d2t, train, heldout, run)
+
+    config = tiny_config(tiny_dir, tmp_path / "toy", tmp_path / "work")
+    whole = run_pipeline(config, CountingRecipe(), Stages())["training"]
+    part = run_pipeline(
+        dataclasses.replace(config, out=tmp_path / "part", train_answer_tokens=1), CountingRecipe(), Stages()
+    )["training"]
+    assert got[1] == 1 < got[0]
+    assert 1 <= part["train_answer_tokens"] < whole["train_answer_tokens"]

@@ -32,6 +32,12 @@ def _add_data_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-answer-tokens", type=positive_int, default=192)
     g.add_argument("--generate-batch", type=positive_int, default=24, help="sequences per generate call")
     g.add_argument("--max-feature-gb", type=float, default=4.0, help="bound on the feature cache")
+    g.add_argument(
+        "--train-answer-tokens",
+        type=positive_int,
+        default=None,
+        help="train on the first conversations holding this many answer tokens (data-scaling runs)",
+    )
     g.add_argument("--vocab", type=positive_int, default=8192, help="draft vocabulary size")
 
 
@@ -186,6 +192,7 @@ def _pipeline_config(args: argparse.Namespace) -> Any:
         max_answer_tokens=args.max_answer_tokens,
         generate_batch=args.generate_batch,
         max_feature_gb=args.max_feature_gb,
+        train_answer_tokens=args.train_answer_tokens,
         vocab=args.vocab,
         schedule=Schedule(steps=args.steps, tokens_per_batch=args.tokens_per_batch, lr=args.lr),
         max_minutes=args.max_minutes,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +107,9 @@ class PipelineConfig:
     """Sequences per generate call (the target's KV pool gets at least this many slots)."""
     max_feature_gb: float = 4.0
     """Bound on the feature cache, GiB."""
+    train_answer_tokens: int | None = None
+    """Train on the first training conversations holding this many answer tokens (None: all
+    cached). A data-scaling run trains the same recipe on growing prefixes of one cache."""
     vocab: int = 8192
     """Draft vocabulary size (at most the target's)."""
     schedule: Schedule | None = None
@@ -439,6 +442,20 @@ def draft_vocabulary_of(
     return draft_vocabulary(directory, min(config.vocab, info.vocab_size), info.eos_token_ids)
 
 
+def first_answer_tokens(sequences: Iterable[Sequence_], limit: int | None) -> list[Sequence_]:
+    """The sequences in order until they hold ``limit`` answer tokens (the one that reaches it
+    included); all of them for None. Example: sequences of 300, 200 and 400 answer tokens with
+    limit 450 give the first two."""
+    chosen: list[Sequence_] = []
+    held = 0
+    for seq in sequences:
+        if limit is not None and held >= limit:
+            break
+        chosen.append(seq)
+        held += int(seq.loss_mask.sum())
+    return chosen
+
+
 FINISH_MARGIN_SECONDS = 45.0
 """What ``finish_minutes`` keeps back from training for the final held-out evaluation and the
 export (a few seconds on a GPU, under a minute on a CPU for a held-out split of 250 k tokens)."""
@@ -456,7 +473,7 @@ def train(
     checkpoint; the trainer and the report's training part."""
     from llm_worker.training.features import load_sequences
 
-    train_seqs = list(load_sequences(directory, "train"))
+    train_seqs = first_answer_tokens(load_sequences(directory, "train"), config.train_answer_tokens)
     heldout = list(load_sequences(directory, "heldout"))
     if not train_seqs:
         raise PipelineError("no training data was made (see the counts above)")
@@ -483,6 +500,7 @@ def train(
         except ValueError as exc:  # a state of another run, or a damaged one
             raise PipelineError(str(exc)) from None
     return trainer, {
+        "train_answer_tokens": sum(int(seq.loss_mask.sum()) for seq in train_seqs),
         "steps": result.steps,
         "seconds": round(result.seconds, 1),
         "final_loss": round(result.final_loss, 4),
