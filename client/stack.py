@@ -115,29 +115,31 @@ class StackState:
 
 
 REDIS_SECRETS_FILE = "redis-passwords.json"
-"""Each Redis role's password (``specdraft.redisconn.ROLES``), mode 0600; the ACL file holds only
-their hashes."""
+"""The password of each Redis user, mode 0600: every role of ``specdraft.redisconn.ROLES`` and each
+worker's own user (``worker-0``, ...); the ACL file holds only their hashes."""
 
 
-def redis_passwords(state_dir: Path) -> dict[str, str]:
-    """The stack's Redis passwords by role, made (random) if missing."""
+def redis_passwords(state_dir: Path, workers: int) -> dict[str, str]:
+    """The stack's Redis passwords by user: the roles and ``worker-0`` .. ``worker-<workers - 1>``,
+    each made (random) when the file lacks it."""
     import secrets
 
     from specdraft.redisconn import ROLES
 
     path = state_dir / REDIS_SECRETS_FILE
-    if path.exists():
-        return dict(json.loads(path.read_text()))
-    state_dir.mkdir(parents=True, exist_ok=True)
-    passwords = {role: secrets.token_urlsafe(24) for role in ROLES}
-    atomic_write_text(path, json.dumps(passwords) + "\n", mode=0o600)
-    return passwords
+    passwords = dict(json.loads(path.read_text())) if path.exists() else {}
+    users = [*ROLES, *(f"worker-{i}" for i in range(workers))]
+    if any(user not in passwords for user in users):
+        state_dir.mkdir(parents=True, exist_ok=True)
+        passwords |= {user: secrets.token_urlsafe(24) for user in users if user not in passwords}
+        atomic_write_text(path, json.dumps(passwords) + "\n", mode=0o600)
+    return {user: passwords[user] for user in users}
 
 
-def redis_password(state_dir: Path, role: str) -> str | None:
-    """One role's password of the stack in ``state_dir`` (None: the stack has no Redis ACL)."""
+def redis_password(state_dir: Path, user: str) -> str | None:
+    """One Redis user's password of the stack in ``state_dir`` (None: the stack has no Redis ACL)."""
     path = state_dir / REDIS_SECRETS_FILE
-    return str(json.loads(path.read_text())[role]) if path.exists() else None
+    return str(json.loads(path.read_text())[user]) if path.exists() else None
 
 
 ADMIN_TOKEN_FILE = "admin-token"
@@ -338,7 +340,7 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                     raise StackError(f"port {port} for redis is in use; choose another with --redis-port")
                 from specdraft.redisconn import acl_file
 
-                passwords = redis_passwords(state_dir)
+                passwords = redis_passwords(state_dir, cfg.workers)
                 acl = state_dir / "redis-users.acl"
                 atomic_write_text(acl, acl_file(passwords), mode=0o600)
                 argv = [redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
@@ -371,10 +373,10 @@ def up(cfg: StackConfig, state_dir: Path, log: Any = None) -> StackState:
                 argv += ["--metrics-port", str(mport)]
                 metrics = f"http://127.0.0.1:{mport}/metrics"
             env = None
-            if state.registry:  # as Redis user "worker", its password in the environment
-                worker_redis = _as_role(state.registry, "worker")
+            if state.registry:  # as its own Redis user "worker-<i>", its password in the environment
+                worker_redis = _as_user(state.registry, f"worker-{i}")
                 argv += ["--registry", worker_redis]
-                env = _redis_env(state_dir, "worker")
+                env = _redis_env(state_dir, f"worker-{i}")
             if datastore_addr:
                 argv += ["--datastore-addr", datastore_addr]
                 if state.registry:  # dense statistics and query results, shared by the workers
@@ -421,7 +423,7 @@ def start_shards(cfg: StackConfig, state: StackState, state_dir: Path, logs: Pat
         argv += ["--admin-token-file", str(admin_token_file(state_dir))]
         env = None
         if state.registry:  # shards publish dense statistics where workers look first
-            argv += ["--redis", _as_role(state.registry, "shard")]
+            argv += ["--redis", _as_user(state.registry, "shard")]
             env = _redis_env(state_dir, "shard")
         proc = _spawn(f"shard-{i}", "datastore", argv, f"127.0.0.1:{port}", logs / f"shard-{i}.log", env)
         proc.admin = f"127.0.0.1:{admin_port}"
@@ -438,8 +440,8 @@ def restart(state_dir: Path, proc: Process) -> Process:
         raise StackError(f"{proc.name}: its command line is not recorded; restart the stack")
     if is_alive(proc):
         raise StackError(f"{proc.name} (pid {proc.pid}) is still running")
-    role = {"datastore": "shard", "worker": "worker"}.get(proc.kind)
-    env = _redis_env(state_dir, role) if role else None
+    user = {"datastore": "shard", "worker": proc.name}.get(proc.kind)  # a worker's user is its name
+    env = _redis_env(state_dir, user) if user else None
     new = _spawn(proc.name, proc.kind, proc.argv, proc.address, Path(proc.log), env)
     new.metrics, new.admin = proc.metrics, proc.admin
     state = read_state(state_dir) or StackState()
@@ -448,15 +450,15 @@ def restart(state_dir: Path, proc: Process) -> Process:
     return new
 
 
-def _as_role(url: str, role: str) -> str:
-    """The stack's Redis URL as another ACL user: ``redis://client@h:p/0`` → ``redis://worker@h:p/0``."""
-    return url.replace("redis://client@", f"redis://{role}@", 1)
+def _as_user(url: str, user: str) -> str:
+    """The stack's Redis URL as another ACL user: ``redis://client@h:p/0`` → ``redis://worker-0@h:p/0``."""
+    return url.replace("redis://client@", f"redis://{user}@", 1)
 
 
-def _redis_env(state_dir: Path, role: str) -> dict[str, str]:
+def _redis_env(state_dir: Path, user: str) -> dict[str, str]:
     from specdraft.redisconn import PASSWORD_ENV
 
-    password = redis_password(state_dir, role)
+    password = redis_password(state_dir, user)
     return {PASSWORD_ENV: password} if password else {}
 
 

@@ -7,14 +7,17 @@ lines and logs (Kubernetes sets the variable from a Secret). Logs only ever show
 URLs.
 
 Roles (``ROLES``): one ACL user each, limited to the ``specdraft:*`` keys it needs and the commands
-it sends; ``acl_file`` renders them (passwords stored as SHA-256, never in clear), with the
-``default`` user off.
+it sends. A worker that publishes its registry record connects as a user of its own, named as the
+worker (``worker_rules``): its record's key is the only registry key it may touch, so a stolen
+worker password cannot overwrite, delete or invent another worker's record. ``acl_file`` renders
+them (passwords stored as SHA-256, never in clear), with the ``default`` user off.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -23,9 +26,10 @@ PASSWORD_ENV = "SPECDRAFT_REDIS_PASSWORD"
 SCHEMES = ("redis://", "rediss://", "unix://")
 
 _CONNECT = "+ping +select"  # redis-py's CLIENT SETINFO on connect may fail: it ignores that
+_DENSE = f"~specdraft:datastore:* -@all {_CONNECT} +get +set +del +hgetall +hset +expire"
 ROLES: dict[str, str] = {
-    # registry (publish, leave, discover), dense statistics and cached dense queries
-    "worker": f"~specdraft:* -@all {_CONNECT} +get +set +del +mget +scan +hgetall +hset +expire",
+    # dense statistics and cached dense queries; no registry record (``worker_rules``)
+    "worker": _DENSE,
     # each loaded version's dense statistics
     "shard": f"~specdraft:datastore:* -@all {_CONNECT} +get +set",
     # the statistics of a version it built
@@ -70,10 +74,29 @@ def connect(url: str, timeout: float, **options: Any) -> Any:
     return redis.Redis.from_url(url, **kwargs)
 
 
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def worker_rules(worker_id: str) -> str:
+    """The ACL rules of the user that worker ``worker_id`` connects as: the ``worker`` role's
+    rights plus its own registry record, ``specdraft:workers:<worker_id>``, and no other.
+
+    ``worker_rules("worker-0")`` → ``"~specdraft:workers:worker-0 ~specdraft:datastore:* -@all
+    +ping ..."``. The id is a plain name (letters, digits, ``.``, ``_``, ``-``; at most 128), so
+    that it is no glob pattern: ``"*"`` or ``"w?"`` would open other workers' keys (ValueError).
+    """
+    if not _WORKER_ID.fullmatch(worker_id) or worker_id in ROLES or worker_id == "default":
+        raise ValueError(f"worker id {worker_id[:80]!r}: not a plain name for a Redis user of its own")
+    return f"~specdraft:workers:{worker_id} {_DENSE}"
+
+
 def acl_file(passwords: Mapping[str, str]) -> str:
-    """An ACL file (``redis-server --aclfile``) with one user per role in ``passwords``."""
+    """An ACL file (``redis-server --aclfile``) with one user per name in ``passwords``: a role of
+    ``ROLES`` gets the role's rules, any other name is a worker id with ``worker_rules``.
+    ``{"client": ..., "worker-0": ...}`` → users ``client`` (discovery) and ``worker-0``."""
     lines = ["user default off"]
-    for role, password in passwords.items():
+    for user, password in passwords.items():
         digest = hashlib.sha256(password.encode()).hexdigest()
-        lines.append(f"user {role} on #{digest} resetchannels {ROLES[role]}")
+        rules = ROLES[user] if user in ROLES else worker_rules(user)
+        lines.append(f"user {user} on #{digest} resetchannels {rules}")
     return "\n".join(lines) + "\n"

@@ -390,21 +390,22 @@ def test_network_policies_allow_the_needed_flows_and_no_others(docs: tuple[Manif
     assert egress == {flow for flow in needed if flow[0] in pods}
 
 
-def check_redis_url(docs: Sequence[Manifest], url: str | None, workload: Manifest | None = None) -> None:
-    """``url`` is ``redis://USER@SERVICE:PORT/DB`` with a Service of the manifests and one of its
-    ports; USER is a role of the ACL, and its password (never in the URL) comes to ``workload``'s
-    container from the Secret specdraft-redis."""
+def check_redis_url(docs: Sequence[Manifest], url: str | None, workload: Manifest) -> None:
+    """``url`` is ``rediss://USER@SERVICE:PORT/DB?ssl_ca_certs=CA`` (TLS) with a Service of the
+    manifests and one of its ports; USER is a role of the ACL, its password (never in the URL)
+    comes to ``workload``'s container from the Secret specdraft-redis, and CA lies in a Secret
+    mounted read-only there."""
     from specdraft.redisconn import PASSWORD_ENV, ROLES
 
-    match = re.fullmatch(r"redis://([a-z]+)@([a-z0-9-]+):(\d+)/\d+", url or "")
-    assert match, f"not a redis://USER@SERVICE:PORT/DB address: {url!r}"
+    match = re.fullmatch(r"rediss://([a-z]+)@([a-z0-9-]+):(\d+)/\d+\?ssl_ca_certs=(/\S+)", url or "")
+    assert match, f"not a rediss://USER@SERVICE:PORT/DB?ssl_ca_certs=CA address: {url!r}"
     assert match.group(1) in ROLES, f"{match.group(1)} is not a Redis ACL role"
     service = find(docs, "Service", match.group(2))
     assert int(match.group(3)) in [p["port"] for p in service["spec"]["ports"]], url
-    if workload is not None:
-        env = {e["name"]: e for e in main_container(workload).get("env", [])}
-        ref = env[PASSWORD_ENV]["valueFrom"]["secretKeyRef"]
-        assert (ref["name"], ref["key"]) == ("specdraft-redis", f"redis-{match.group(1)}"), ref
+    check_secret_mounts(docs, workload, [match.group(4)])
+    env = {e["name"]: e for e in main_container(workload).get("env", [])}
+    ref = env[PASSWORD_ENV]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("specdraft-redis", f"redis-{match.group(1)}"), ref
 
 
 def test_worker_args_parse_with_the_cli(
@@ -421,13 +422,15 @@ def test_worker_args_parse_with_the_cli(
     assert args.metrics_port == ports["metrics"], (
         f"--metrics-port {args.metrics_port} is not the metrics port"
     )
-    assert args.advertise == f"{FIELD_DUMMIES['status.podIP']}:{args.port}"
     assert args.health_port == ports["health"]
     assert args.tls_cert and args.tls_key and args.token_file, "clients reach workers over TLS with a token"
     assert args.datastore_tls_ca and args.datastore_tls_cert, "workers reach shards over mutual TLS"
     check_secret_mounts(docs, worker, [args.tls_cert, args.tls_key, args.token_file, args.datastore_tls_ca])
     assert args.threads == 2  # from the CPU limit
-    check_redis_url(docs, args.registry, worker)
+    # Clients find workers through the Service: no registry record, which would need a Redis user
+    # per pod to be only the pod's own (docs/security.md); Redis holds the dense caches alone.
+    assert args.registry is None and args.advertise is None
+    check_redis_url(docs, args.dense_cache, worker)
     # one address per shard: the StatefulSet's pods behind its headless Service, on its grpc port
     sts = by_component(docs, "datastore")
     shard_port = container_ports(main_container(sts))["grpc"]
@@ -657,16 +660,56 @@ def test_manifest_images_have_dockerfiles(
 
 
 def test_redis_is_locked_down(docs: tuple[Manifest, ...]) -> None:
-    """Protected mode, the ACL file from a Secret, probes as the read-only user; the rebuild job
-    publishes as user build."""
+    """Protected mode, the ACL file from a Secret, TLS only (no plaintext port), probes as the
+    read-only user over TLS; the rebuild job publishes as user build."""
     redis_workload = next(w for w in workloads(docs) if component(w) == "cache")
     args = main_container(redis_workload)["args"]
     assert option(args, "--protected-mode") == "yes"
     acl = option(args, "--aclfile")
     assert acl is not None
     check_secret_mounts(docs, redis_workload, [acl])
+    assert option(args, "--port") == "0", "Redis must have no plaintext port"
+    (service,) = [s for s in of_kind(docs, "Service") if service_selects(s, redis_workload)]
+    tls_port = container_ports(main_container(redis_workload))[service["spec"]["ports"][0]["targetPort"]]
+    assert option(args, "--tls-port") == str(tls_port), "the Service's port is not Redis's TLS port"
+    tls_files = [option(args, f"--tls-{name}-file") for name in ("cert", "key", "ca-cert")]
+    assert all(tls_files), tls_files
+    check_secret_mounts(docs, redis_workload, [f for f in tls_files if f])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = main_container(redis_workload)[probe]["exec"]["command"]
         assert "--user" in command and "-e" in command, f"{probe}: {command}"
+        assert "--tls" in command and option(command, "--cacert") in tls_files, f"{probe}: {command}"
     build_args = find(docs, "ConfigMap", "specdraft-datastore")["data"]["BUILD_ARGS"].split()
     check_redis_url(docs, build_args[build_args.index("--redis") + 1], by_component(docs, "datastore-build"))
+
+
+def strings(value: object) -> Iterator[str]:
+    """Every string inside a parsed YAML document, keys excepted."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+
+
+def test_every_redis_url_is_tls(docs: tuple[Manifest, ...]) -> None:
+    """No argument, variable or ConfigMap value names Redis in plaintext (``redis://``)."""
+    plain = [text for doc in docs for text in strings(doc) if "redis://" in text]
+    assert plain == [], plain
+    assert any("rediss://" in text for doc in docs for text in strings(doc))
+
+
+def test_each_role_has_a_tls_secret_of_its_own(docs: tuple[Manifest, ...]) -> None:
+    """Workers, shards, the rebuild job and Redis each mount one TLS Secret (``specdraft-tls-*``),
+    and no two of them the same: a stolen key is one role's identity, not every role's."""
+    owners: dict[str, list[str]] = {}
+    for workload in workloads(docs):
+        names = {v["secret"]["secretName"] for v in pod_spec(workload).get("volumes", []) if "secret" in v}
+        tls = sorted(n for n in names if n.startswith("specdraft-tls"))
+        assert len(tls) == 1, f"{component(workload)} mounts TLS secrets {tls}"
+        owners.setdefault(tls[0], []).append(component(workload))
+    assert all(len(roles) == 1 for roles in owners.values()), owners
+    assert set(owners) == {f"specdraft-tls-{role}" for role in ("worker", "shard", "build", "redis")}

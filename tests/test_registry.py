@@ -72,6 +72,53 @@ def test_poisoned_records_are_skipped_counted_and_logged_once(
     assert caplog.text.count("skipping a malformed worker record") == 1, caplog.text
 
 
+def test_a_workers_redis_user_writes_its_own_record_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One Redis user per worker (``specdraft.redisconn.worker_rules``): with worker a's password
+    one can publish, refresh and remove a's record and use the dense caches, but neither
+    overwrite nor delete b's record, nor plant a record under any other id; the shared role
+    ``worker`` writes no record at all. What discovery sees is what each worker wrote."""
+    import redis
+
+    from specdraft.redisconn import PASSWORD_ENV, acl_file
+
+    def as_user(user: str) -> RedisRegistry:
+        monkeypatch.setenv(PASSWORD_ENV, server.password(user))
+        return RedisRegistry(server.url_for(user), ttl=30.0)
+
+    server = RedisServer(acl=True, workdir=tmp_path, workers=("worker-a", "worker-b"))
+    try:
+        as_user("worker-b").publish(record("worker-b", ("pld",), load=3))
+        a = as_user("worker-a")
+        a.publish(record("worker-a", ("pld",), load=1))
+        a.publish(record("worker-a", ("pld",), load=2))  # a heartbeat
+        hijack = WorkerRecord("worker-b", "203.0.113.9:50051", "m", "f", ("pld",), 0, 4)
+        attempts = {
+            "overwrite b": lambda: a.publish(hijack),
+            "delete b": lambda: a.remove("worker-b"),
+            "plant c": lambda: a.publish(record("worker-c", ("pld",))),
+            "plant a key": lambda: a.client.set("specdraft:workers:worker-a:x", "{}"),
+            "scan": lambda: a.workers(),
+        }
+        for what, attempt in attempts.items():
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt()
+                pytest.fail(f"worker a's credential could {what}")
+        assert a.client.set("specdraft:datastore:v1:dense-stats", b"x")  # the worker role's rights
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            as_user("worker").publish(record("worker-a", ("pld",)))
+        discovery = as_user("client")
+        assert {r.worker_id: r.load for r in discovery.workers()} == {"worker-a": 2, "worker-b": 3}
+        a.remove("worker-a")
+        assert [r.address for r in discovery.workers()] == [record("worker-b", ()).address]
+    finally:
+        server.stop()
+    for pattern in ("*", "worker-?", "w[0-9]", "a b"):  # a glob would open other workers' keys
+        with pytest.raises(ValueError, match="worker id"):
+            acl_file({pattern: "password"})
+
+
 def test_open_registry_urls() -> None:
     assert isinstance(open_registry(None), InProcessRegistry)
     with pytest.raises(ValueError, match="redis://"):
@@ -165,9 +212,10 @@ def test_metrics_endpoint_counts_requests_by_mode_and_status(worker: Worker) -> 
 def test_a_tls_worker_registers_in_a_tls_redis_with_acl_users(
     worker: Worker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The path with everything on: Redis over TLS (rediss://) with ACL users, the worker as user
-    ``worker`` (password from the environment, never in the URL or the log), discovery as user
-    ``client`` (read only: it cannot plant a record), clients over TLS with a token."""
+    """The path with everything on: Redis over TLS only (rediss://, with a CA of the tests' own
+    helper) with ACL users, the worker as its own user ``reg-w`` (password from the environment,
+    never in the URL or the log), discovery as user ``client`` (read only: it cannot plant a
+    record), clients over TLS with a token."""
     import redis
 
     from helpers.tls import make_certificates
@@ -175,12 +223,13 @@ def test_a_tls_worker_registers_in_a_tls_redis_with_acl_users(
     from specdraft.security import ClientSecurity, ServerSecurity
 
     certs = make_certificates(tmp_path / "tls")
-    server = RedisServer(acl=True, tls=(certs.ca, certs.server.cert, certs.server.key), workdir=tmp_path)
+    tls = (certs.ca, certs.server.cert, certs.server.key)
+    server = RedisServer(acl=True, tls=tls, workdir=tmp_path, workers=("reg-w",))
     token = "registry-test-token-0123456789"
     srv = None
     try:
-        monkeypatch.setenv(PASSWORD_ENV, server.password("worker"))
-        published = RedisRegistry(server.url_for("worker"), ttl=5.0)
+        monkeypatch.setenv(PASSWORD_ENV, server.password("reg-w"))
+        published = RedisRegistry(server.url_for("reg-w"), ttl=5.0)
         assert "password" not in published.url
         security = ServerSecurity(cert=certs.server.cert, key=certs.server.key, tokens=(token,))
         srv = ServerThread(worker, ServerConfig(port=0, security=security), registry=published)

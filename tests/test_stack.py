@@ -229,6 +229,37 @@ def test_the_stack_redis_is_locked_down(stack: tuple[Path, StackState]) -> None:
     assert shard.set("specdraft:datastore:probe", b"x") and worker.get("specdraft:datastore:probe") == b"x"
 
 
+def test_a_workers_redis_credential_writes_its_own_record_alone(stack: tuple[Path, StackState]) -> None:
+    """Each worker publishes as a Redis user of its own. With the credential worker-0 runs with
+    (the user its ``--registry`` URL names, the password in its environment) one can write
+    worker-0's record, but neither overwrite nor delete worker-1's, nor plant a record: a stolen
+    worker password cannot point clients elsewhere."""
+    import redis
+
+    from specdraft.redisconn import PASSWORD_ENV
+
+    state_dir, state = stack
+    first, second = state.workers()
+    url = first.argv[first.argv.index("--registry") + 1]
+    variables = Path(f"/proc/{first.pid}/environ").read_bytes().decode().split("\0")
+    password = dict(v.split("=", 1) for v in variables if "=" in v)[PASSWORD_ENV]
+    stolen = redis.Redis.from_url(url, password=password, socket_timeout=5)
+    reader = stack_registry(state_dir, state).client
+    own, other = (f"specdraft:workers:{p.name}" for p in (first, second))
+    current = reader.get(other)
+    assert current is not None
+    for what, attempt in {
+        "overwrite worker-1's record": lambda: stolen.set(other, current, keepttl=True),
+        "delete worker-1's record": lambda: stolen.delete(other),
+        "plant a record": lambda: stolen.set("specdraft:workers:planted", current, px=2000),
+    }.items():
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+            pytest.fail(f"worker-0's credential could {what}")
+    assert stolen.set(own, reader.get(own), keepttl=True)  # its own record: a heartbeat's write
+    assert sorted(discover(stack_registry(state_dir, state), "pld")) == sorted(state.worker_addresses())
+
+
 @pytest.mark.slow
 def test_chaos_under_load_loses_nothing(tiny_dir: Path, tmp_path: Path) -> None:
     """The chaos run, quick and on the tiny model: a shard killed and restarted, another stopped,

@@ -185,12 +185,17 @@ class RedisServer:
     """A throwaway redis-server on a free port, without persistence; ready when constructed.
 
     ``acl``: locked down as in production (``specdraft.redisconn``): protected mode, the default
-    user off, one user per role; ``url_for(role)`` and ``password(role)`` reach it as that role.
+    user off, one user per role and one per worker id of ``workers`` (its own registry record
+    alone); ``url_for(user)`` and ``password(user)`` reach it as that user.
     ``tls``: ``(ca, cert, key)`` PEM files: TLS only (``rediss://``), no plaintext port.
     """
 
     def __init__(
-        self, acl: bool = False, tls: tuple[str, str, str] | None = None, workdir: Path | None = None
+        self,
+        acl: bool = False,
+        tls: tuple[str, str, str] | None = None,
+        workdir: Path | None = None,
+        workers: tuple[str, ...] = (),
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -200,7 +205,7 @@ class RedisServer:
         self.passwords: dict[str, str] = {}
         if acl:
             assert workdir is not None, "an ACL server needs a directory for its ACL file"
-            self.passwords = {role: f"{role}-password-{self.port}" for role in ROLES}
+            self.passwords = {user: f"{user}-password-{self.port}" for user in (*ROLES, *workers)}
             acl_path = workdir / f"redis-{self.port}.acl"
             acl_path.write_text(acl_file(self.passwords))
             argv += ["--aclfile", str(acl_path)]
@@ -227,12 +232,12 @@ class RedisServer:
         client = redis.Redis.from_url(self.url, password=self.passwords.get("worker"))
         wait_until(lambda: self._answers(client), 10, what=f"redis-server answers on port {self.port}")
 
-    def url_for(self, role: str) -> str:
-        """The URL of ``role`` (its password goes in ``$SPECDRAFT_REDIS_PASSWORD`` or ``password``)."""
-        return self._base.format(user=f"{role}@")
+    def url_for(self, user: str) -> str:
+        """The URL of ``user`` (its password goes in ``$SPECDRAFT_REDIS_PASSWORD`` or ``password``)."""
+        return self._base.format(user=f"{user}@")
 
-    def password(self, role: str) -> str:
-        return self.passwords[role]
+    def password(self, user: str) -> str:
+        return self.passwords[user]
 
     @staticmethod
     def _answers(client: redis.Redis) -> bool:
