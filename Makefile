@@ -97,9 +97,9 @@ fuzz: setup
 	$(PY) -m pytest -q -s tests/test_fuzz.py --fuzz-requests $(FUZZ_REQUESTS)
 
 # Chaos under load: a fresh local stack (2 workers, 2 shards, redis) under locust while a shard is
-# killed, another stopped, redis killed, the datastore swapped, the link to a shard partitioned,
+# killed, another stopped, redis killed, the datastore rebuilt (killed after each step, rerun), the link to a shard partitioned,
 # another slowed (a TCP proxy, client/faultproxy.py) and a worker terminated. Fails unless 0
-# requests failed, 0 outputs differ from ar, health p99 is under its bound and both shards serve v2.
+# requests failed, 0 outputs differ from ar, health p99 is under its bound and both shards and DATA/current are on v2.
 CHAOS_STATE ?= bench-out/chaos
 chaos: setup test-deps
 	rm -rf $(CHAOS_STATE)

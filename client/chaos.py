@@ -5,7 +5,11 @@ datastore shards — under locust load while its parts fail, one after another:
 2. ``SIGSTOP`` shard 1 for ``stop_seconds`` (a black hole: connections open, no answers), then
    ``SIGCONT``;
 3. ``kill -9`` Redis, then start it again (the registry comes back with the workers' heartbeats);
-4. swap the datastore version on every shard (``swap_all`` on the admin ports);
+4. rebuild the datastore as the Kubernetes job does (``datastore_svc.rebuild``: marker, build,
+   every shard loads, ``DATA/current`` moves, every shard switches, marker removed), killed after
+   each of its first five steps in turn (shard 0 is killed and restarted after the kill that
+   follows the link's move, so it comes back on the new version while shard 1 still serves the
+   old), and rerun each time until it finishes;
 5. a network partition between the workers and shard 0 for ``stop_seconds`` (the workers reach
    each shard through a TCP proxy, ``client/faultproxy.py``, which now moves no byte), then healed;
 6. a slow link to shard 1 for ``stop_seconds``: ``link_delay_seconds`` each way, then healed;
@@ -15,9 +19,8 @@ Reported, and checked (``report["ok"]``, the exit status of ``specdraft chaos``)
 sent and how many failed (0), every finished generation compared with what ``ar`` answers to the
 same prompt (0 different), the p50 / p99 of health checks sent to every live worker and shard
 during the run (p99 at most ``health_p99_ms``), and the version every shard serves at the end
-(one, the swapped-in v2). Kills during a rebuild (``datastore rebuild``, the Kubernetes job)
-are not part of this run: ``tests/test_rebuild.py`` kills one after every step against real
-shards, restarts a shard and reruns it.
+(one, the rebuilt v2, which ``DATA/current`` names too). ``tests/test_rebuild.py`` kills a
+rebuild after every step without load, in more combinations.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +51,7 @@ from client.stack import (
     up,
     wait_serving,
 )
+from datastore_svc.rebuild import current_name
 from specdraft.common import percentile
 
 
@@ -87,22 +92,30 @@ class ChaosLog:
         self.events.append({"seconds": round(time.monotonic() - self.t0, 2), "event": what})
 
 
-def _versions(cfg: ChaosConfig, say: Callable[[str], None]) -> Path:
-    """Two datastore versions (v1, v2) of local text, 2 shards each, under ``state_dir/versions``."""
+def _versions(cfg: ChaosConfig, say: Callable[[str], None]) -> tuple[Path, Path]:
+    """``state_dir/data`` as the Kubernetes volume holds it (``versions/v1``, ``current`` naming
+    it; what an earlier run rebuilt removed), and version v2 built once elsewhere, which the
+    run's rebuild copies in; both of local text, 2 shards each. Returns (data, that copy)."""
     from client.bench.datastore import local_corpus
+    from datastore_svc.rebuild import PENDING, VERSIONS, point_current
     from datastore_svc.store import build
     from llm_worker.assembly import load_tokenizer
 
-    root = cfg.state_dir / "versions"
+    data, spare = cfg.state_dir / "data", cfg.state_dir / "spare" / "v2"  # its manifest names v2
     corpus = cfg.state_dir / "corpus.jsonl"
     if not corpus.exists():
         local_corpus(corpus, cfg.corpus_chars)
     tokenizer, _ = load_tokenizer(cfg.model)
-    for name in ("v1", "v2"):
-        if not (root / name).exists():
-            say(f"building datastore version {name}")
-            build(corpus, tokenizer, root / name, shards=2, progress=False)
-    return root
+    for path in (data / VERSIONS / "v1", spare):
+        if not path.exists():
+            say(f"building datastore version {path.name}")
+            build(corpus, tokenizer, path, shards=2, progress=False)
+    for old in (data / VERSIONS).iterdir():
+        if old.name != "v1":
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    (data / PENDING).unlink(missing_ok=True)
+    point_current(data, "v1")
+    return data, spare
 
 
 def _prober(state_dir: Path, log: ChaosLog, stop: threading.Event, seconds: dict[str, list[float]]) -> None:
@@ -218,7 +231,7 @@ def verdict(report: dict[str, Any], cfg: ChaosConfig) -> list[str]:
         p99 = report["health"].get(kind, {}).get("p99_ms")
         if p99 is None or p99 > cfg.health_p99_ms:
             wrong.append(f"{kind} health p99 {p99} ms, the bound {cfg.health_p99_ms} ms")
-    if set(report["versions"].values()) != {"v2"}:
+    if set(report["versions"].values()) != {"v2"}:  # every shard, and DATA/current
         wrong.append(f"shard versions at the end: {report['versions']}")
     return wrong
 
@@ -229,7 +242,7 @@ def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -
     from client.faultproxy import FaultProxy
 
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    root = _versions(cfg, say)
+    data, spare = _versions(cfg, say)
     shard_count = 2  # of each version (_versions)
     proxies = [FaultProxy(_shard_address(cfg.state_dir, i)) for i in range(shard_count)]
     worker_args = (*(("--model", cfg.model) if cfg.model else ()), "--grace-seconds", "15", *cfg.worker_args)
@@ -239,7 +252,7 @@ def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -
         metrics_port=None,
         redis_port=0,
         worker_args=worker_args,
-        datastore=str(root / "v1"),
+        datastore=str(data / "current"),  # as a Kubernetes shard starts: what the link names
         datastore_port=0,
         worker_datastore_addr=",".join(p.address for p in proxies),
         grace_seconds=15.0,
@@ -257,7 +270,7 @@ def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -
         prober.start()
         locust = _locust(cfg, load_seconds, outputs, prefix)
         log.event(f"locust: {cfg.users} users, mode {cfg.mode}, {load_seconds:.0f} s")
-        _schedule(cfg, state, log, proxies)
+        _schedule(cfg, state, log, proxies, (data, spare))
         code = locust.wait(load_seconds + 300)
         log.event(f"locust exited ({code})")
         stop.set()
@@ -266,6 +279,7 @@ def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = lambda msg: None) -
         say("comparing every generation with ar")
         outputs_check = _compare_with_ar(cfg, outputs, survivor.address)
         versions = _shard_versions(cfg.state_dir)
+        versions["DATA/current"] = current_name(data)
     finally:
         stop.set()
         down(cfg.state_dir, grace_seconds=10.0)
@@ -305,10 +319,10 @@ def _shard_address(state_dir: Path, index: int) -> Callable[[], str]:
     return address
 
 
-def _schedule(cfg: ChaosConfig, state: Any, log: ChaosLog, proxies: list[Any]) -> None:
+def _schedule(
+    cfg: ChaosConfig, state: Any, log: ChaosLog, proxies: list[Any], volume: tuple[Path, Path]
+) -> None:
     """The failures, ``step_seconds`` apart."""
-    from datastore_svc.fanout import swap_all
-    from specdraft.security import ClientSecurity
 
     state_dir = cfg.state_dir
     shards = state.shards()
@@ -341,9 +355,7 @@ def _schedule(cfg: ChaosConfig, state: Any, log: ChaosLog, proxies: list[Any]) -
     log.event("redis restarted")
 
     at(4 * step + cfg.stop_seconds)
-    token = admin_token_file(state_dir).read_text().strip()
-    swapped = swap_all(state.admin_addresses(), "v2", ClientSecurity(token=token))
-    log.event(f"datastore swapped: {swapped}")
+    _killed_rebuilds(state_dir, state, log, shards, volume)
 
     at(5 * step + cfg.stop_seconds)
     proxies[0].blackhole()
@@ -361,6 +373,51 @@ def _schedule(cfg: ChaosConfig, state: Any, log: ChaosLog, proxies: list[Any]) -
 
     at(7 * step + 3 * cfg.stop_seconds)
     _signal(workers[1], signal.SIGTERM, log)
+
+
+class _Killed(Exception):
+    """The rebuild dying right after a step (as SIGKILL would: no later step runs)."""
+
+
+def _killed_rebuilds(
+    state_dir: Path, state: Any, log: ChaosLog, shards: list[Process], volume: tuple[Path, Path]
+) -> None:
+    """The rebuild to v2, killed after each of its steps but the last in turn, each kill followed
+    by a rerun (the Job's retry) that resumes it; shard 0 killed and restarted after the kill that
+    follows the link's move. The last rerun finishes."""
+    from datastore_svc.rebuild import STEPS, RebuildConfig, rebuild
+    from specdraft.security import ClientSecurity
+
+    data, spare = volume
+    token = admin_token_file(state_dir).read_text().strip()
+
+    def build(path: Path) -> None:  # the version made elsewhere, moved in whole
+        staged = path.with_name(f".{path.name}.copy")
+        shutil.rmtree(staged, ignore_errors=True)
+        shutil.copytree(spare, staged)
+        os.replace(staged, path)
+
+    for step in STEPS[:-1]:
+
+        def kill_after(done: str, version: str, step: str = step) -> None:
+            if done == step:
+                raise _Killed(step)
+
+        cfg = RebuildConfig(data, state.admin_addresses(), "v2", ClientSecurity(token=token))
+        try:
+            rebuild(cfg, build, kill_after)
+        except _Killed:
+            log.event(f"rebuild killed after {step!r}: shards on {_shard_versions(state_dir)}")
+        if step == "current":
+            _signal(shards[0], signal.SIGKILL, log)
+            time.sleep(1.0)
+            shards[0] = restart(state_dir, shards[0])
+            wait_serving([shards[0]], 300)
+            log.down.discard(shards[0].name)
+            log.event(f"{shards[0].name} restarted: shards on {_shard_versions(state_dir)}")
+        time.sleep(1.0)
+    cfg = RebuildConfig(data, state.admin_addresses(), "v2", ClientSecurity(token=token))
+    log.event(f"rebuild rerun finished: {rebuild(cfg, build)}; shards on {_shard_versions(state_dir)}")
 
 
 def _signal(proc: Process, sig: signal.Signals, log: ChaosLog) -> None:

@@ -263,9 +263,10 @@ def test_a_workers_redis_credential_writes_its_own_record_alone(stack: tuple[Pat
 @pytest.mark.slow
 def test_chaos_under_load_loses_nothing(tiny_dir: Path, tmp_path: Path) -> None:
     """The chaos run, quick and on the tiny model: a shard killed and restarted, another stopped,
-    redis killed and restarted, the datastore swapped, the link to a shard partitioned, then slow
-    (200 ms each way), a worker terminated — under locust load. No request fails, every output
-    equals ar's, health p99 stays under its bound, every shard serves v2 at the end."""
+    redis killed and restarted, the datastore rebuilt with the rebuild killed after each step (and
+    a shard restarted after the link moved), the link to a shard partitioned, then slow (200 ms
+    each way), a worker terminated — under locust load. No request fails, every output equals
+    ar's, health p99 stays under its bound, every shard and DATA/current are on v2 at the end."""
     from client.chaos import ChaosConfig, run_chaos
 
     cfg = ChaosConfig(
@@ -285,7 +286,12 @@ def test_chaos_under_load_loses_nothing(tiny_dir: Path, tmp_path: Path) -> None:
         "SIGSTOP shard-1",
         "SIGCONT",
         "SIGKILL redis",
-        "swapped",
+        "rebuild killed after 'pending'",
+        "rebuild killed after 'built'",
+        "rebuild killed after 'loaded'",
+        "rebuild killed after 'current'",
+        "rebuild killed after 'switched'",
+        "rebuild rerun finished: v2",
         "partition: workers - shard-0",
         "partition healed",
         "slow link: workers - shard-1, 200 ms each way",
@@ -299,6 +305,6 @@ def test_chaos_under_load_loses_nothing(tiny_dir: Path, tmp_path: Path) -> None:
     assert report["health"]["worker"]["checks"] > 10, report
     assert report["health"]["worker"]["p99_ms"] <= cfg.health_p99_ms, report
     assert report["health"]["datastore"]["p99_ms"] <= cfg.health_p99_ms, report
-    assert report["versions"] == {"shard-0": "v2", "shard-1": "v2"}, report
+    assert report["versions"] == {"shard-0": "v2", "shard-1": "v2", "DATA/current": "v2"}, report
     print(f"\nchaos: {json.dumps({k: report[k] for k in ('load', 'outputs', 'health', 'versions')})}")
     assert _processes_mentioning(str(tmp_path)) == []  # everything stopped
