@@ -489,3 +489,12 @@ def test_prompt_positions_are_labels_only_when_weighted(context_weight: float) -
     assert rows == answers if context_weight == 0 else rows > answers
     assert len(t["labels"]) == len(t["hidden"]) == len(t["answer"]) == rows
     assert torch.isfinite(trainer.loss(trainer.train[:2], [0, 1]))
+
+
+def test_a_drafters_state_matches_the_committed_tokens_up_to_their_first_difference() -> None:
+    from llm_worker.drafters.base import shared_prefix
+
+    assert shared_prefix(np.array([5, 6, 7]), np.array([5, 6, 9, 1])) == 2
+    assert shared_prefix(np.array([5, 6]), np.array([5, 6, 9, 1])) == 2
+    assert shared_prefix(np.empty(0, dtype=np.int64), np.array([5])) == 0
+    assert shared_prefix(np.array([4, 6]), np.array([5, 6])) == 0

@@ -392,6 +392,15 @@ def float_option(
     return value
 
 
+def shared_prefix(kept: np.ndarray, tokens: np.ndarray) -> int:
+    """How many leading ids ``kept`` and ``tokens`` share: where a drafter's per-request state
+    still matches the committed tokens (one vectorised comparison, not a Python loop over a long
+    prompt every step). Example: [5, 6, 7] and [5, 6, 9, 1] share 2."""
+    n = min(len(kept), len(tokens))
+    differ = np.flatnonzero(kept[:n] != tokens[:n])
+    return int(differ[0]) if differ.size else n
+
+
 def bucket(value: float, bounds: tuple[float, ...]) -> str:
     """The first bound ``value`` does not exceed, as a feature label (``"max"`` above them all):
     ``bucket(0.2, (0.1, 0.3))`` → ``"0.3"``."""

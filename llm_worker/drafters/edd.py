@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from llm_worker.drafters.base import (
@@ -55,6 +56,7 @@ from llm_worker.drafters.base import (
     bucket,
     float_option,
     int_option,
+    shared_prefix,
 )
 from llm_worker.drafters.checkpoint import (
     CheckpointError,
@@ -106,7 +108,7 @@ class EddNetwork(DraftNetwork[EddNet, FusedEdd]):
 class _State(DrafterState):
     """The soft prompt's K/V for committed positions 0 .. len(tokens) - 1 of one request."""
 
-    tokens: list[int] = field(default_factory=list)
+    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # [T - 1] ids
     keys: torch.Tensor | None = None  # [1, kv, len(tokens), d]
     values: torch.Tensor | None = None  # [1, kv, len(tokens), d]
     fused: DraftKV | None = None  # the same, when the network runs on the fused kernels
@@ -152,16 +154,12 @@ class EddDrafter(Drafter):
     def _catch_up(self, ctx: DraftContext) -> _State:
         """The soft prompt's K/V extended over the committed positions 0 .. T-2 it lacks (kept
         where the tokens still match)."""
-        tokens = [int(t) for t in ctx.tokens]
+        tokens = np.asarray(ctx.tokens)
         cached = len(tokens) - 1  # positions with a hidden state: all but the root
         state = ctx.request_state.drafter
         if not isinstance(state, _State):
             state = ctx.request_state.drafter = _State()
-        keep = 0
-        for mine, theirs in zip(state.tokens, tokens[:cached], strict=False):
-            if mine != theirs:
-                break
-            keep += 1
+        keep = shared_prefix(state.tokens, tokens[:cached])
         if self.fast is not None:
             kv = state.fused = state.fused or self.fast.new_kv()
             kv.length = min(kv.length, keep)
@@ -176,7 +174,7 @@ class EddDrafter(Drafter):
             state.keys, state.values = k, v
         elif state.keys is not None and state.values is not None:
             state.keys, state.values = state.keys[:, :, :cached], state.values[:, :, :cached]
-        state.tokens = tokens[:cached]
+        state.tokens = np.array(tokens[:cached], dtype=np.int64)  # a copy: the engine's buffer moves on
         return state
 
     def _rows(

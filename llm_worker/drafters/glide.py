@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from llm_worker.drafters.base import (
@@ -51,6 +52,7 @@ from llm_worker.drafters.base import (
     bucket,
     float_option,
     int_option,
+    shared_prefix,
 )
 from llm_worker.drafters.checkpoint import (
     CheckpointError,
@@ -156,7 +158,7 @@ class GlideNetwork(DraftNetwork[GlideNet, FusedGlide]):
 class _State(DrafterState):
     """The draft network's KV for committed positions 0 .. len(tokens) - 1 of one request."""
 
-    tokens: list[int]
+    tokens: np.ndarray  # [n] int64, the committed ids the draft KV covers
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer [1, kv, len(tokens), d]
     fused: DraftKV | None = None  # the same, when the network runs on the fused kernels
 
@@ -258,18 +260,14 @@ class GlideDrafter(Drafter):
     def _catch_up(self, ctx: DraftContext) -> tuple[_State, torch.Tensor]:
         """The draft's KV extended over the committed tokens it has not seen (kept where they
         still match); returns the request's draft state and the root row's draft logits [V]."""
-        tokens = [int(t) for t in ctx.tokens]
+        tokens = np.array(ctx.tokens, dtype=np.int64)  # a copy: the engine's buffer moves on
         cached = len(tokens) - 1  # the target's cache ends before the root
         state = ctx.request_state.drafter
         if not isinstance(state, _State):
-            state = ctx.request_state.drafter = _State([], None)
-        keep = 0
-        for mine, theirs in zip(state.tokens, tokens[:cached], strict=False):
-            if mine != theirs:
-                break
-            keep += 1
+            state = ctx.request_state.drafter = _State(np.empty(0, dtype=np.int64), None)
+        keep = shared_prefix(state.tokens, tokens[:cached])
         self._truncate(state, keep)
-        logits = self._forward(tokens[keep:], keep, cached, state, ctx)
+        logits = self._forward(tokens[keep:].tolist(), keep, cached, state, ctx)
         state.tokens = tokens
         return state, logits
 
