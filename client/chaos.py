@@ -334,11 +334,7 @@ def _schedule(
 
     step = cfg.step_seconds
     at(step)
-    _signal(shards[0], signal.SIGKILL, log)
-    time.sleep(1.0)
-    shards[0] = restart(state_dir, shards[0])
-    wait_serving([shards[0]], 300)
-    log.down.discard(shards[0].name)
+    shards[0] = _kill_and_restart(state_dir, shards[0], log)
     log.event(f"{shards[0].name} restarted and SERVING")
 
     at(2 * step)
@@ -409,15 +405,21 @@ def _killed_rebuilds(
         except _Killed:
             log.event(f"rebuild killed after {step!r}: shards on {_shard_versions(state_dir)}")
         if step == "current":
-            _signal(shards[0], signal.SIGKILL, log)
-            time.sleep(1.0)
-            shards[0] = restart(state_dir, shards[0])
-            wait_serving([shards[0]], 300)
-            log.down.discard(shards[0].name)
+            shards[0] = _kill_and_restart(state_dir, shards[0], log)
             log.event(f"{shards[0].name} restarted: shards on {_shard_versions(state_dir)}")
         time.sleep(1.0)
     cfg = RebuildConfig(data, state.admin_addresses(), "v2", ClientSecurity(token=token))
     log.event(f"rebuild rerun finished: {rebuild(cfg, build)}; shards on {_shard_versions(state_dir)}")
+
+
+def _kill_and_restart(state_dir: Path, proc: Process, log: ChaosLog) -> Process:
+    """SIGKILL ``proc``, start it again with its command line and wait until it serves."""
+    _signal(proc, signal.SIGKILL, log)
+    time.sleep(1.0)  # reaped: ``restart`` refuses a process that still runs
+    new = restart(state_dir, proc)
+    wait_serving([new], 300)
+    log.down.discard(new.name)
+    return new
 
 
 def _signal(proc: Process, sig: signal.Signals, log: ChaosLog) -> None:
