@@ -41,7 +41,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -95,13 +94,7 @@ class EddOptions:
 class EddNetwork(DraftNetwork[EddNet, FusedEdd]):
     """``DraftNetwork`` for ``edd`` and ``edd+pct``: one per checkpoint and target."""
 
-    @classmethod
-    def build(
-        cls, target: TargetModel, net: EddNet, d2t: torch.Tensor, meta: dict[str, Any] | None = None
-    ) -> EddNetwork:
-        net = net.eval()
-        cos, sin, fast = cls.parts(target, net, FusedEdd, FusedEdd.supports)
-        return cls(target, net, d2t, meta or {}, cos, sin, fast)
+    FUSED = FusedEdd
 
 
 @dataclass

@@ -145,13 +145,7 @@ def parse_options(options: dict[str, str]) -> GlideOptions:
 class GlideNetwork(DraftNetwork[GlideNet, FusedGlide]):
     """``DraftNetwork`` for ``glide`` and ``glide+cape``: one per checkpoint and target."""
 
-    @classmethod
-    def build(
-        cls, target: TargetModel, net: GlideNet, d2t: torch.Tensor, meta: dict[str, Any] | None = None
-    ) -> GlideNetwork:
-        net = net.eval()
-        cos, sin, fast = cls.parts(target, net, FusedGlide, FusedGlide.supports)
-        return cls(target, net, d2t, meta or {}, cos, sin, fast)
+    FUSED = FusedGlide
 
 
 @dataclass

@@ -24,9 +24,8 @@ row).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 import torch
 
@@ -96,17 +95,21 @@ class DraftNetwork(Generic[NetT, FastT]):
     fast: FastT | None
     """The network on the fused kernels; None where they are off (--no-fused) or do not fit."""
 
-    @staticmethod
-    def parts(
-        target: TargetModel,
-        net: NetT,
-        fused: Callable[[NetT, FusedCpuOps, torch.Tensor, torch.Tensor], FastT],
-        fits: Callable[[NetT], bool],
-    ) -> tuple[torch.Tensor, torch.Tensor, FastT | None]:
-        """The RoPE tables for ``target`` and ``net``'s fused copy (``fused``, where ``fits``)."""
+    FUSED: ClassVar[Any]
+    """The fused copy's class (``FusedGlide``, ``edd_fused.FusedEdd``): built from (net, ops,
+    cos, sin), its ``supports(net)`` says whether the network fits the kernels."""
+
+    @classmethod
+    def build(
+        cls, target: TargetModel, net: NetT, d2t: torch.Tensor, meta: dict[str, Any] | None = None
+    ) -> Self:
+        """The network for ``target`` in eval mode, its RoPE tables and its fused copy (where
+        the fused kernels are on and it fits them)."""
+        net = net.eval()
         cos, sin = rope_tables(target.model, target.info.max_context)
         ops = fused_ops(target)
-        return cos, sin, fused(net, ops, cos, sin) if ops is not None and fits(net) else None
+        fast = cls.FUSED(net, ops, cos, sin) if ops is not None and cls.FUSED.supports(net) else None
+        return cls(target, net, d2t, meta or {}, cos, sin, fast)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held here (``base.storage_bytes`` of them: its memory)."""
