@@ -66,6 +66,7 @@ class RequestOptions:
     draft_budget: int = 0
     speculation_off: bool = False
     ignore_eos: bool = False
+    tenant: str = ""  # online drafting's namespace, inside the caller's token's own
 
 
 def build_request(
@@ -87,6 +88,7 @@ def build_request(
         draft_budget=options.draft_budget,
         speculation_off=options.speculation_off,
         ignore_eos=options.ignore_eos,
+        tenant=options.tenant,
     )
     if text is not None:
         req.text = text

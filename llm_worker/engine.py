@@ -69,6 +69,10 @@ class GenerationRequest:
     cancel: threading.Event | None = field(default=None, compare=False)
     """Set by a server whose client went away: a prefill stops at its next chunk (a step cannot
     be interrupted; the prefill of a long prompt is many forwards in the first step)."""
+    tenant: str = ""
+    """The namespace of online drafting: a drafter that learns from what the service said
+    drafts for this request from this tenant's text only (a server derives it from the caller's
+    credential and the request, ``specdraft.security.tenant_namespace``)."""
 
 
 @dataclass(frozen=True)
@@ -429,6 +433,18 @@ class Engine:
                 )
         return draft
 
+    @staticmethod
+    def _observe_candidates(
+        rt: _ModeRuntime, state: RequestState, root: int, tree: DraftTree, logits: torch.Tensor
+    ) -> None:
+        """Show the drafter the target's likeliest next tokens after the root and each node of
+        ``tree`` (``logits``: [1 + len(tree), vocab], the verify forward's rows)."""
+        k = min(rt.drafter.candidates, logits.shape[-1])
+        top = torch.topk(logits[: 1 + len(tree)], k, dim=-1).indices.cpu().numpy()
+        inputs = np.array((root, *tree.tokens), dtype=np.int64)
+        with rt.lock:
+            rt.drafter.observe_candidates(state, inputs, top)
+
     def _decode(
         self, req: GenerationRequest, rt: _ModeRuntime, session: BatchSession | None = None
     ) -> Generator[StepOutput | GenerationResult]:
@@ -453,7 +469,7 @@ class Engine:
         policy = SpeculationPolicy(planner, rt.lock, drafter.gated, root_logits=logits)
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
-        request_state = RequestState()
+        request_state = RequestState(tenant=req.tenant)
         yield StepOutput(out.emit([first], [NO_SOURCE], drafter.name))
 
         while not out.finish:
@@ -482,11 +498,15 @@ class Engine:
             self._check_curve(draft, out.length, t2 - t1)
 
             # observe
+            root = out.root
             emitted = out.emit(step.tokens, step.sources, drafter.name)
             if session is not None:
                 session.observe(len(step.tokens))
+            if drafter.candidates and isinstance(step.decided, DraftTree):
+                self._observe_candidates(rt, request_state, root, step.decided, step.forward.logits)
+            t3 = time.perf_counter()  # the candidates' cost counts as drafting
             accepted = step.result.num_accepted
-            stats.observe_step(len(draft), accepted, len(emitted), t1 - t0, t2 - t1)
+            stats.observe_step(len(draft), accepted, len(emitted), t1 - t0 + t3 - t2, t2 - t1)
             if len(step.decided):
                 stats.observe_depths(max(step.decided.depths()), accepted)
             root_logits = step.forward.logits[step.rows[-1]]
@@ -497,6 +517,9 @@ class Engine:
                     drafter.observe(step.decided, step.result)
             yield StepOutput(emitted)
 
+        if drafter.proposes:
+            with rt.lock:
+                drafter.finish(request_state, out.context(), len(req.prompt_ids))
         stats.seconds = time.perf_counter() - began
         version = request_state.datastore_version
         yield GenerationResult(out.generated, req.mode, out.finish, stats, out.provenance.spans, version)

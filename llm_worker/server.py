@@ -43,13 +43,14 @@ from llm_worker.results import GenerationResult, to_response
 from llm_worker.textstream import TextStream
 from llm_worker.worker import BadRequest, Worker, WorkRequest
 from specdraft.common import MAX_ERROR_CHARS, shorten
-from specdraft.guard import Guard
+from specdraft.guard import Guard, bearer
 from specdraft.security import (
     ServerSecurity,
     connection_options,
     health_only_server,
     listen,
     serve_metrics,
+    tenant_namespace,
 )
 from specdraft.stubs import generation_pb2, generation_pb2_grpc
 
@@ -106,7 +107,17 @@ def to_work_request(msg: generation_pb2.GenerateRequest) -> WorkRequest:
         draft_budget=msg.draft_budget,
         speculation_off=msg.speculation_off,
         ignore_eos=msg.ignore_eos,
+        tenant=msg.tenant,
     )
+
+
+def _tenant(requested: str, context: grpc.aio.ServicerContext) -> str:
+    """The request's online-drafting namespace, inside its bearer token's
+    (``specdraft.security.tenant_namespace``); ``BadRequest`` for a malformed field."""
+    try:
+        return tenant_namespace(requested, bearer(context))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def prompt_bytes(msg: generation_pb2.GenerateRequest) -> int:
@@ -206,6 +217,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 await self._abort(context, call, grpc.StatusCode.INVALID_ARGUMENT, message)
             try:
                 work = to_work_request(request)
+                work = replace(work, tenant=_tenant(work.tenant, context))
                 gen = await loop.run_in_executor(self.executor, self.worker.to_engine, work)
             except BadRequest as exc:
                 await self._abort(context, call, grpc.StatusCode.INVALID_ARGUMENT, str(exc))

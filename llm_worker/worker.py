@@ -39,6 +39,7 @@ class WorkRequest:
     draft_budget: int = 0  # 0 = the engine's choice
     speculation_off: bool = False
     ignore_eos: bool = False
+    tenant: str = ""  # online drafting's namespace (``GenerationRequest.tenant``)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Worker:
             sampling=req.sampling,
             stop_at_eos=not req.ignore_eos,
             draft_budget=req.draft_budget or None,
+            tenant=req.tenant,
         )
         try:
             self.engine.validate(gen)

@@ -55,7 +55,8 @@ def _method_parts(full: str) -> tuple[str, str]:
     return service, method
 
 
-def _bearer(context: grpc.aio.ServicerContext) -> str | None:
+def bearer(context: grpc.aio.ServicerContext) -> str | None:
+    """The call's bearer token: None without an ``authorization`` header, "" for another scheme."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
             text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
@@ -94,7 +95,7 @@ class Guard(grpc.aio.ServerInterceptor):
     def refusal(self, role: Role, context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
         """Why the caller may not call a service of ``role`` (None: it may)."""
         sec = self.security
-        token = _bearer(context)
+        token = bearer(context)
         if role == "client":
             if not sec.tokens or (token and token_matches(token, sec.tokens + sec.admin_tokens)):
                 return None

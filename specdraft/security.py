@@ -22,6 +22,7 @@ Tokens
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -77,6 +78,29 @@ def token_matches(presented: str, accepted: Iterable[str]) -> bool:
     for token in accepted:
         found |= hmac.compare_digest(presented.encode(), token.encode())
     return found
+
+
+MAX_TENANT_CHARS = 128
+
+
+def tenant_namespace(requested: str, token: str | None) -> str:
+    """The namespace of online drafting a request lands in: the request's ``tenant`` field,
+    inside its bearer token's own namespace (a digest of the token, never the token), so a
+    client can name only namespaces of the credential it holds. Without a token (an open
+    server), the field alone. ``ValueError`` for a field over ``MAX_TENANT_CHARS`` characters
+    or one that is not printable ASCII.
+
+    Example: ``tenant_namespace("team-a", None)`` is ``"team-a"``;
+    ``tenant_namespace("team-a", "s3cret")`` is ``"<16 hex digits>/team-a"``.
+    """
+    if len(requested) > MAX_TENANT_CHARS:
+        raise ValueError(f"tenant has at most {MAX_TENANT_CHARS} characters, not {len(requested)}")
+    if not all(" " <= ch <= "~" for ch in requested):
+        raise ValueError("tenant must be printable ASCII")
+    if not token:
+        return requested
+    digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"{digest}/{requested}"
 
 
 def _pem(path: str | None, what: str) -> bytes | None:

@@ -176,6 +176,24 @@ class Drafter(ABC):
         """Feedback after verification (default: none). ``tree`` is what the verdict is about:
         the proposed tree, or a batch's rows merged into their trie."""
 
+    candidates: int = 0
+    """How many of the target's likeliest next tokens this drafter wants to see at every row of
+    every verify forward (``observe_candidates``; 0: none, the engine then computes nothing)."""
+
+    def observe_candidates(  # noqa: B027 - optional hook
+        self, state: RequestState, inputs: np.ndarray, candidates: np.ndarray
+    ) -> None:
+        """After each verify forward of a tree draft (empty drafts too), for a drafter whose
+        ``candidates`` is k > 0: ``inputs`` [rows] the forward's tokens (the root, then the draft's
+        nodes), ``candidates`` [rows, k] the target's k likeliest next tokens after each, likeliest
+        first, accepted or not (default: ignored). The ids alone: a drafter never sees logits."""
+
+    def finish(self, state: RequestState, tokens: np.ndarray, prompt_length: int) -> None:  # noqa: B027
+        """A request that ran to its end: ``tokens`` [T] its prompt and every generated token, the
+        first ``prompt_length`` of them the prompt (default: nothing). Drafters that learn from
+        what the service said keep them here, in ``state.tenant``'s namespace. A stream closed
+        before its end is not reported."""
+
     def tensors(self) -> Iterable[torch.Tensor]:
         """The tensors this drafter holds beyond the target's own (a learned drafter's network
         and its fused copy; default: none), which the engine's mode runtimes count against their
@@ -232,6 +250,9 @@ class RequestState:
     retrieval ("" until then). Later retrievals ask for it, so a swap never mixes versions."""
     drafter: DrafterState | None = None
     """What the mode's drafter keeps for this request (None until its first step)."""
+    tenant: str = ""
+    """The namespace of online drafting (``GenerationRequest.tenant``): a drafter that learns
+    from requests keeps and drafts from this tenant's text only."""
 
 
 DrafterFactory = Callable[["TargetModel", dict[str, str], DraftResources], Drafter]
