@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus gpu-train gpu-scaling clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus datastore-own gpu-train gpu-scaling clean
 
 setup: $(STAMP)
 
@@ -136,6 +136,25 @@ corpus: setup
 	  $(CORPUS_ARGS) --data-minutes $(CORPUS_MINUTES)
 	$(VENV)/bin/specdraft train corpus pack --work $(CORPUS_WORK) --corpus $(CORPUS_DIR) \
 	  --note "make corpus CORPUS_MINUTES=$(CORPUS_MINUTES) CORPUS_ARGS='$(CORPUS_ARGS)'"
+
+# The target's own datastore (docs/datastores.md, "The target's own datastore"): the committed
+# corpus's train split as one sparse + dense version in OWN_SHARDS shards (every token in the
+# suffix arrays; dense keys for documents evenly spread up to OWN_DENSE_TOKENS tokens), and the
+# held-out split's first turns as Spec-Bench questions. Use it with --datastore $(OWN_DIR).
+# Resumable: the hidden states are cached in OWN_WORK; a finished version is kept (remove it to
+# build again).
+OWN_DIR          ?= bench-out/datastore-own
+OWN_WORK         ?= bench-out/datastore-own-work
+OWN_SHARDS       ?= 2
+OWN_DENSE_TOKENS ?= 400000
+datastore-own: setup
+	mkdir -p $(OWN_WORK)
+	$(VENV)/bin/specdraft datastore own-corpus --corpus $(CORPUS_DIR) --out $(OWN_WORK)/corpus.jsonl \
+	  --questions-out $(OWN_WORK)/heldout.jsonl
+	test -d $(OWN_DIR) || $(VENV)/bin/specdraft datastore build --corpus $(OWN_WORK)/corpus.jsonl \
+	  --out $(OWN_DIR) --shards $(OWN_SHARDS) --dense --dense-tokens $(OWN_DENSE_TOKENS) \
+	  --hidden-cache $(OWN_WORK)/hidden
+	$(VENV)/bin/specdraft datastore info $(OWN_DIR)
 
 # EDD for the default model (docs/edd.md) from the committed corpus: its answers unpacked (none
 # generated: --data-minutes ~0), the features of the first EDD_FEATURE_GB of them (about 1.3k

@@ -7,9 +7,11 @@ token sequences the model sees when it serves chat requests.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
+from specdraft.common import atomic_path
 from specdraft.tokenizer import Tokenizer
 
 
@@ -74,3 +76,27 @@ def read_documents(path: str | Path, tokenizer: Tokenizer) -> Iterator[str]:
     """Document texts of a JSONL corpus, in file order (blank lines skipped)."""
     for where, record in jsonl_records(path):
         yield record_text(record, tokenizer, where)
+
+
+def write_jsonl(path: str | Path, records: Iterable[object]) -> int:
+    """Write ``records`` to ``path`` as JSONL, atomically (a killed run leaves no half file);
+    returns how many."""
+    count = 0
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def own_questions(conversations: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Spec-Bench questions from conversations: each distinct first user turn once, in order, with
+    the conversation's id and kind. Example: two conversations answering "Hi" (a greedy and a
+    sampled answer) give one question ``{"question_id": ..., "category": ..., "turns": ["Hi"]}``."""
+    seen: set[str] = set()
+    for c in conversations:
+        first = next((m["content"] for m in c["messages"] if m["role"] == "user"), None)
+        if first is None or first in seen:
+            continue
+        seen.add(first)
+        yield {"question_id": c["id"], "category": c.get("kind", "own"), "turns": [first]}

@@ -56,14 +56,17 @@ class DenseBuildConfig:
     cache_dir: Path | None = None
     """Hidden-state cache; None = ``~/.cache/specdraft/hidden``."""
     seed: int = 0
+    max_tokens: int = 0
+    """Keys for a subsample: documents evenly spread over each shard (every k-th), about this many
+    tokens in all (``spread_documents``); 0 = every document. The sparse index keeps every token."""
 
     def __post_init__(self) -> None:
         if self.window < 2 or not 0 <= self.overlap < self.window:
             raise ValueError(
                 f"need window >= 2 and 0 <= overlap < window (got {self.window}, {self.overlap})"
             )
-        if self.batch < 1 or self.chunk_tokens < 1 or self.sample < 2:
-            raise ValueError("batch and chunk_tokens must be positive, sample at least 2")
+        if self.batch < 1 or self.chunk_tokens < 1 or self.sample < 2 or self.max_tokens < 0:
+            raise ValueError("batch and chunk_tokens must be positive, sample at least 2, max_tokens >= 0")
 
 
 @dataclass
@@ -171,6 +174,17 @@ def shard_documents(
     return [(int(s), np.asarray(tokens[s:e], dtype=np.int64)) for s, e in zip(doc_starts, ends, strict=True)]
 
 
+def spread_documents(docs: list[tuple[int, np.ndarray]], max_tokens: int) -> list[tuple[int, np.ndarray]]:
+    """Every k-th document, k the smallest stride that keeps about ``max_tokens`` tokens (0 or
+    more than there are: all). Example: 10 documents of 100 tokens, ``max_tokens=300`` → documents
+    0, 4 and 8 (k = 4: 300 tokens, where k = 3 would keep 400)."""
+    total = sum(len(d) for _, d in docs)
+    if max_tokens <= 0 or total <= max_tokens:
+        return docs
+    stride = -(-total // max_tokens)  # ceil
+    return docs[::stride]
+
+
 def chunks(docs: list[tuple[int, np.ndarray]], chunk_tokens: int) -> Iterator[list[tuple[int, np.ndarray]]]:
     group: list[tuple[int, np.ndarray]] = []
     size = 0
@@ -203,10 +217,15 @@ def build_dense(
     separator = int(manifest["separator"])
     states = HiddenStates(encoder, fingerprint, cfg)
     shards = []  # per shard: list of (chunk docs)
-    for entry in manifest["shards"]:
-        arrays = load_shard_arrays(version_dir, int(entry["index"]))
-        docs = shard_documents(arrays["tokens"], arrays["docs"], separator)
-        shards.append(list(chunks(docs, cfg.chunk_tokens)))
+    every = [
+        shard_documents(arrays["tokens"], arrays["docs"], separator)
+        for arrays in (load_shard_arrays(version_dir, int(e["index"])) for e in manifest["shards"])
+    ]
+    corpus_tokens = sum(len(d) for docs in every for _, d in docs)
+    for docs in every:  # each shard keeps its share of the budget
+        share = cfg.max_tokens * sum(len(d) for _, d in docs) // max(1, corpus_tokens)
+        kept = spread_documents(docs, max(1, share)) if cfg.max_tokens else docs
+        shards.append(list(chunks(kept, cfg.chunk_tokens)))
     total = sum(len(d) for shard in shards for group in shard for _, d in group)
 
     # 1. hidden states (cached per chunk)
@@ -280,6 +299,7 @@ def dense_step(
             "window": cfg.window,
             "overlap": cfg.overlap,
             "sample": cfg.sample,
+            "max_tokens": cfg.max_tokens,
             "seconds": {k: round(v, 3) for k, v in report.seconds.items()},
             "chunks": {"cached": report.cached_chunks, "computed": report.computed_chunks},
             "stats": report.stats.to_manifest(),

@@ -88,6 +88,8 @@ class DenseEntry(TypedDict, total=False):
     window: int
     overlap: int
     sample: int
+    max_tokens: int
+    """Keys were made for documents evenly spread up to about this many tokens (0: all)."""
     seconds: dict[str, float]
     chunks: dict[str, int]
     """Hidden-state chunks ``cached`` (read back) and ``computed``."""

@@ -175,10 +175,26 @@ def retrieve(
         return NO_MATCH
     picked = sample_range(lo, hi, cfg.max_occurrences)
     starts = index.positions(picked) + c  # continuation start positions
-    mat = continuation_matrix(index.tokens, starts, cfg.max_length, separator)
+    mat = continuation_matrix(index.tokens, starts, cfg.max_length, separator)  # sorted: the SA's order
+    return _candidates(mat, starts, c, hi - lo, cfg, doc_starts, shard)
+
+
+def _candidates(
+    mat: np.ndarray,
+    starts: np.ndarray,
+    c: int,
+    occurrences: int,
+    cfg: RetrievalConfig,
+    doc_starts: np.ndarray | None = None,
+    shard: int = 0,
+) -> Retrieval:
+    """The tree of the continuations ``mat`` ([N, L] rows in lexicographic order, read at
+    ``starts`` after a match of ``c`` tokens): its ``cfg.max_nodes`` most frequent prefixes, and
+    their leaves as candidates, most frequent first."""
+    picked = starts
     nodes = trie_of_sorted(mat)
     if not len(nodes.count):
-        return Retrieval((), c, hi - lo, len(picked))
+        return Retrieval((), c, occurrences, len(picked))
     keep = select_nodes(nodes.count, nodes.depth, cfg.max_nodes)
     leaves = _leaves(nodes, keep)
     leaves = leaves[np.lexsort((leaves, -nodes.count[leaves]))][: cfg.max_candidates]
@@ -196,7 +212,7 @@ def retrieve(
         Candidate(tuple(token_rows[i][: d + 1]), tuple(count_rows[i][: d + 1]), sources[i])
         for i, d in enumerate(lengths)
     ]
-    return Retrieval(tuple(candidates), c, hi - lo, len(picked))
+    return Retrieval(tuple(candidates), c, occurrences, len(picked))
 
 
 def well_formed(candidates: Iterable[Candidate], max_length: int) -> tuple[Candidate, ...]:
@@ -258,8 +274,37 @@ def context_retrieval(context: np.ndarray, separator: int, cfg: RetrievalConfig)
     body = np.asarray(context[:-1], dtype=np.int64)
     if len(body) == 0:
         return NO_MATCH
-    index = SuffixIndex.build(np.append(body, separator), separator)
-    return retrieve(index, separator, np.asarray(context[-cfg.c_max :]), cfg)
+    ends, c = suffix_occurrences(body, np.asarray(context[-cfg.c_max :], dtype=np.int64), cfg.c_min)
+    if c == 0:
+        return NO_MATCH
+    starts = ends[sample_range(0, len(ends), cfg.max_occurrences)] + 1
+    mat = continuation_matrix(np.append(body, separator), starts, cfg.max_length, separator)
+    keys = np.where(mat == PAD, np.iinfo(np.int64).max, mat)  # an ended row sorts last, as the separator
+    order = np.lexsort(keys.T[::-1])  # rows in lexicographic order, as a suffix array's
+    return _candidates(mat[order], starts[order], c, len(ends), cfg)
+
+
+def suffix_occurrences(body: np.ndarray, pattern: np.ndarray, c_min: int) -> tuple[np.ndarray, int]:
+    """Where the longest suffix of ``pattern`` (at least ``c_min`` tokens) occurs in ``body``: the
+    positions its occurrences end at, in order, and its length c; no match: (empty, 0).
+
+    One vectorised comparison per pattern token (no index to build: a context changes every step).
+    Example: body [1, 2, 3, 1, 2, 9], pattern [3, 1, 2] → ([4], 3), as [3, 1, 2] ends at 4; pattern
+    [7, 1, 2] → ([1, 4], 2).
+    """
+    run = np.zeros(len(body), dtype=np.int64)  # run[j]: pattern's suffix length that ends at j
+    alive = np.ones(len(body), dtype=bool)
+    for k in range(min(len(pattern), len(body))):
+        step = np.zeros(len(body), dtype=bool)
+        step[k:] = alive[k:] & (body[: len(body) - k] == pattern[len(pattern) - 1 - k])
+        if not step.any():
+            break
+        alive = step
+        run += step
+    c = int(run.max(initial=0))
+    if c < max(c_min, 1):
+        return np.zeros(0, dtype=np.int64), 0
+    return np.flatnonzero(run == c), c
 
 
 def fuse_context(corpus: Retrieval, own: Retrieval, max_nodes: int, max_candidates: int) -> Retrieval:

@@ -91,3 +91,37 @@ def test_pack_refuses_a_shrunk_work_directory(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match="fewer lines"):
         pack(work, corpus)
     assert read_manifest(corpus)["files"]["conversations.jsonl"]["lines"] == 3
+
+
+def test_own_corpus_writes_the_train_split_and_held_out_questions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``datastore own-corpus``: the train split's conversations for a datastore, the held-out
+    split's first user turns (each once) as questions; a damaged corpus is one clear error."""
+    from client.cli import main
+
+    work, corpus = tmp_path / "work", tmp_path / "corpus"
+    _write(work, 1, 0)
+
+    def turn(cid: str, split: str, question: str) -> str:
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "answer"}]
+        return json.dumps({"id": cid, "kind": "self", "split": split, "messages": messages}) + "\n"
+
+    with open(work / "conversations.jsonl", "w") as f:
+        f.write(turn("self-0", "train", "Hi"))
+        f.write(turn("self-1", "heldout", "Why?"))
+        f.write(turn("self-1", "heldout", "Why?"))  # a sampled second answer: one question
+        f.write(turn("self-2", "train", "How?"))
+    pack(work, corpus)
+    out, questions = tmp_path / "own.jsonl", tmp_path / "q.jsonl"
+    argv = ["datastore", "own-corpus", "--corpus", str(corpus), "--out", str(out)]
+    assert main([*argv, "--questions-out", str(questions)]) == 0
+    assert json.loads(capsys.readouterr().out)["conversations"] == 2
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["self-0", "self-2"] and records[0]["messages"][0]["content"] == "Hi"
+    asked = [json.loads(line) for line in questions.read_text().splitlines()]
+    assert asked == [{"question_id": "self-1", "category": "self", "turns": ["Why?"]}]
+    packed = corpus / "conversations.jsonl.xz"
+    packed.write_bytes(packed.read_bytes()[:-8])
+    assert main(argv) == 2
+    assert "missing or damaged" in capsys.readouterr().err

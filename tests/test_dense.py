@@ -26,7 +26,7 @@ from datastore_svc.dense import (
     merge_dense,
     recall_at,
 )
-from datastore_svc.dense_build import DenseBuildConfig, HiddenStates, dense_step
+from datastore_svc.dense_build import DenseBuildConfig, HiddenStates, dense_step, spread_documents
 from datastore_svc.store import (
     DatastoreError,
     DatastoreVersion,
@@ -472,3 +472,26 @@ def test_a_gpu_index_without_faiss_gpu_is_a_clear_error(tiny, tmp_path: Path) ->
     dense_version(model, target, tmp_path / "v", own_continuations(target, 1), shards=1)
     with pytest.raises(DatastoreError, match="faiss-gpu"):
         DatastoreVersion(tmp_path / "v", faiss_gpu=0)
+
+
+def test_spread_documents_keeps_every_kth() -> None:
+    docs = [(100 * i, np.zeros(100, np.int64)) for i in range(10)]
+    assert [s for s, _ in spread_documents(docs, 300)] == [0, 400, 800]
+    assert spread_documents(docs, 0) == docs and spread_documents(docs, 5000) == docs
+
+
+def test_dense_keys_for_a_subsample_of_documents(tiny, tmp_path: Path) -> None:
+    """``max_tokens``: keys for documents spread over each shard, the sparse arrays keep all."""
+    model, target = tiny
+    docs = own_continuations(target)
+    whole = sum(len(d) for d in docs)
+    v1 = dense_version(model, target, tmp_path / "v1", docs, max_tokens=whole // 3)
+    dense = v1.manifest["dense"]
+    assert dense["max_tokens"] == whole // 3
+    assert 0 < dense["keys"] < whole // 2  # about a third: every k-th document
+    assert sum(len(shard.tokens) for shard in v1.shards) >= whole  # the sparse part keeps all
+    for shard in v1.shards:  # the keys are whole documents' (each but its last token)
+        assert shard.dense is not None
+        every = set(key_positions(shard.tokens, shard.separator).tolist())
+        kept = shard.dense.positions.tolist()
+        assert set(kept) <= every and len(kept) < len(every)

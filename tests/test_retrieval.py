@@ -6,8 +6,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from datastore_svc.retrieval import (
+    NO_MATCH,
     PAD,
     Candidate,
     Retrieval,
@@ -346,3 +349,37 @@ def test_small_arrays_sort_on_token_ranks_with_the_same_suffix_array() -> None:
         tokens = rng.integers(0, 49_152, size=n).astype(np.int32)
         tokens[::5] = 7  # repeats
         assert np.array_equal(build_suffix_array(tokens), np.asarray(pydivsufsort.divsufsort(tokens)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    st.integers(1, 6),
+    st.integers(1, 3),
+    st.integers(1, 5),
+)
+def test_context_retrieval_equals_the_suffix_array_search(
+    context: list[int], c_max: int, c_min: int, length: int
+) -> None:
+    """Without a suffix array (a vectorised scan: the context changes every step), the same
+    candidates, counts and match as indexing the context and searching it."""
+    from datastore_svc.retrieval import context_retrieval, suffix_occurrences
+
+    cfg = RetrievalConfig(c_min=min(c_min, c_max), c_max=c_max, max_length=length, max_nodes=16)
+    tokens = np.array(context)
+    body = tokens[:-1]
+    reference = NO_MATCH
+    if len(body):
+        reference = retrieve(SuffixIndex.build(np.append(body, SEP), SEP), SEP, tokens[-c_max:], cfg)
+    assert context_retrieval(tokens, SEP, cfg) == reference
+    pattern = tokens[-c_max:]  # brute force: the longest suffix of the pattern found in the body
+    ends, c = suffix_occurrences(body, pattern, cfg.c_min)
+    found = [
+        k
+        for k in range(cfg.c_min, len(pattern) + 1)
+        if any((body[j - k + 1 : j + 1] == pattern[-k:]).all() for j in range(k - 1, len(body)))
+    ]
+    assert c == (max(found) if found else 0)
+    if c:
+        expected = [j for j in range(c - 1, len(body)) if (body[j - c + 1 : j + 1] == pattern[-c:]).all()]
+        assert ends.tolist() == expected

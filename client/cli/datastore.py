@@ -1,4 +1,4 @@
-"""``specdraft datastore build | generate | local-corpus | bench | eval | info | swap | rebuild``."""
+"""``specdraft datastore``: build, generate, local-corpus, own-corpus, bench, eval, info, swap, rebuild."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def add_datastore(sub: Any) -> None:
     _add_build(dsc_sub)
     _add_generate(dsc_sub)
     _add_local_corpus(dsc_sub)
+    _add_own_corpus(dsc_sub)
     _add_bench(dsc_sub)
     _add_eval(dsc_sub)
     _add_info(dsc_sub)
@@ -76,6 +77,12 @@ def _add_version_args(p: argparse.ArgumentParser, derive: bool) -> None:
     )
     dn.add_argument("--batch", type=positive_int, default=4, help="windows per forward")
     dn.add_argument("--stats-sample", type=positive_int, default=262_144, help="vectors PCA is fitted on")
+    dn.add_argument(
+        "--dense-tokens",
+        type=int,
+        default=0,
+        help="keys for documents evenly spread up to about this many tokens (0 = all; sparse keeps all)",
+    )
     dn.add_argument("--hidden-cache", help="hidden-state cache (default: ~/.cache/specdraft/hidden)")
     dn.add_argument("--redis", help="publish the statistics to this Redis (redis://HOST:PORT)")
 
@@ -105,6 +112,19 @@ def _add_local_corpus(dsc_sub: Any) -> None:
     dl.add_argument("--questions-out", help="also write Spec-Bench code questions the corpus covers")
     dl.add_argument("--questions", type=positive_int, default=20)
     dl.set_defaults(func=cmd_local_corpus)
+
+
+def _add_own_corpus(dsc_sub: Any) -> None:
+    """``datastore own-corpus``."""
+    do = dsc_sub.add_parser(
+        "own-corpus", help="a committed training corpus's conversations as a datastore corpus"
+    )
+    do.add_argument("--corpus", required=True, help="a corpus directory, e.g. corpus/de7dc0073f16aefd")
+    do.add_argument("--out", required=True, help="JSONL of chat records: the train split's conversations")
+    do.add_argument(
+        "--questions-out", help="also write the held-out split's first user turns as Spec-Bench questions"
+    )
+    do.set_defaults(func=cmd_own_corpus)
 
 
 def _add_bench(dsc_sub: Any) -> None:
@@ -222,6 +242,7 @@ def _dense_step(args: argparse.Namespace) -> tuple[Extend, Tokenizer, Path]:
             overlap=default_overlap(args.window) if args.overlap is None else args.overlap,
             batch=args.batch,
             sample=args.stats_sample,
+            max_tokens=args.dense_tokens,
             cache_dir=Path(args.hidden_cache) if args.hidden_cache else None,
         )
     except ValueError as exc:
@@ -319,6 +340,23 @@ def cmd_local_corpus(args: argparse.Namespace) -> int:
     counts = local_corpus(args.out, args.max_chars)
     if args.questions_out:
         counts["questions"] = code_questions(args.questions_out, args.questions)
+    print_json({"out": args.out, **counts})
+    return 0
+
+
+def cmd_own_corpus(args: argparse.Namespace) -> int:
+    from datastore_svc.corpus import own_questions, write_jsonl
+    from llm_worker.training.corpus import CorpusError, conversations
+
+    corpus = Path(args.corpus)
+    try:
+        records = ({"id": c["id"], "messages": c["messages"]} for c in conversations(corpus, "train"))
+        counts = {"conversations": write_jsonl(args.out, records)}
+        if args.questions_out:
+            held_out = own_questions(conversations(corpus, "heldout"))
+            counts["questions"] = write_jsonl(args.questions_out, held_out)
+    except (CorpusError, OSError) as exc:
+        raise CliError(str(exc)) from exc
     print_json({"out": args.out, **counts})
     return 0
 

@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,25 @@ def pack(work: Path, corpus: Path, note: dict[str, Any] | None = None) -> dict[s
     )
     atomic_write_text(corpus / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def conversations(corpus: Path, split: str | None = None) -> Iterator[dict[str, Any]]:
+    """The corpus's conversations (``{"id", "kind", "split", "messages", ...}``) straight from its
+    compressed file, checked against the manifest first; ``split``: only that split's (``train``
+    or ``heldout``). Example: the retrieval datastores of the target's own text are built from
+    ``conversations(corpus, "train")``, so held-out prompts never find their own answers there."""
+    manifest = read_manifest(corpus)
+    entry = manifest["files"].get("conversations.jsonl")
+    if entry is None:
+        raise CorpusError(f"{corpus}: no conversations here ({MANIFEST} lists none)")
+    packed = corpus / entry["file"]
+    if not packed.is_file() or sha256_file(packed) != entry["xz_sha256"]:
+        raise CorpusError(f"{packed}: missing or damaged (its sha256 does not match {MANIFEST})")
+    with lzma.open(packed, "rt", encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if split is None or record.get("split", "train") == split:
+                yield record
 
 
 def answer_tokens(work: Path, tokenizer: Any) -> dict[str, int]:
