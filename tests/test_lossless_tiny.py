@@ -101,7 +101,7 @@ def test_greedy_every_mode_equals_ar(
 ) -> None:
     target = tiny_target(kind, backend=backend)
     engine = engine_for(target, curve, heads_file)
-    modes = ["pld", "pld:max_n=1", "pld+h:layer=1", "pld+h:layer=2:theta=0.2", "test-tree"]
+    modes = ["pld", "pld:max_n=1", "pld+h:layer=1", "pld+h:layer=2:theta=0.2", "test-tree", "suffix"]
     if target.supports_queries:
         modes.append("pld+a")
     tally = DraftTally()
@@ -118,7 +118,7 @@ def test_spec_modes_actually_draft_and_accept(heads_file: Path, extra_modes: Non
     target = tiny_target("llama")
     engine = engine_for(target, FLAT_CURVE, heads_file)
     prompt = prompts(target.info.vocab_size)[0]
-    for mode in ["pld", "pld+h:layer=1", "pld+a", "test-tree"]:
+    for mode in ["pld", "pld+h:layer=1", "pld+a", "test-tree", "suffix"]:
         res = engine.generate(GenerationRequest(tuple(prompt), 64, mode))
         assert res.stats.drafted_tokens > 0, mode
         assert res.stats.accepted_tokens > 0, mode
@@ -142,7 +142,7 @@ def test_sampling_every_mode_matches_exact_distribution(
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     dist = exact_distribution(model, prompt, params)
     engine = engine_for(target, FLAT_CURVE, heads)
-    for mode in ["ar", "pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q"]:
+    for mode in ["ar", "pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q", "suffix"]:
         counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
         p = chi_square_p(counts, dist, SAMPLES)
         assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
@@ -170,7 +170,7 @@ def test_seeded_sampling_every_mode_equals_ar_with_the_seed(
     for seed, prompt in enumerate(prompts(target.info.vocab_size)):
         params = SamplingParams(temperature=0.3, top_p=0.95, seed=seed)
         ref = engine.generate(GenerationRequest(tuple(prompt), 48, "ar", params)).token_ids
-        for mode in ["pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q"]:
+        for mode in ["pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q", "suffix"]:
             res = engine.generate(GenerationRequest(tuple(prompt), 48, mode, params))
             assert res.token_ids == ref, f"{kind}/{mode}/seed {seed}"
             tally.observe(mode, res.stats)

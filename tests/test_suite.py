@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import re
 import subprocess
 import sys
@@ -250,3 +251,23 @@ def test_same_questions_without_docstrings() -> None:
     )
     result = subprocess.run([sys.executable, "-OO", "-c", script], capture_output=True, text=True, check=True)
     assert json.loads(result.stdout) == [list(q.turns) for q in builtin_suite()] + calibration_prompts()
+
+
+def test_the_repeated_suite_asks_held_out_questions_again() -> None:
+    suite = builtin_suite("repeated", 8)
+    first_turns = [q.turns[0] for q in suite if q.category == "first"]
+    assert len(first_turns) == 8 and len(suite) == 32
+    for position, q in enumerate(suite):
+        if q.category == "first":
+            continue
+        asked = [i for i, text in enumerate(first_turns) if text in q.turns[0]]
+        assert len(asked) == 1, q.question_id  # another user asks one earlier question again
+        assert suite.index(next(f for f in suite if f.turns[0] == first_turns[asked[0]])) < position
+        assert (q.category == "follow-up") == (len(q.turns) == 2)
+    categories = [q.category for q in builtin_suite("repeated", 1)]
+    assert categories == ["first", "repeated", "near-repeated", "follow-up"]
+    # the corpus's held-out questions only: no drafter was trained on them
+    (prompts,) = (Path(__file__).parents[1] / "corpus").glob("*/prompts.jsonl.xz")
+    with lzma.open(prompts, "rt", encoding="utf-8") as f:
+        split = {(r := json.loads(line))["text"].strip(): r["split"] for line in f}
+    assert {split[text] for text in first_turns} == {"heldout"}

@@ -1,4 +1,5 @@
-"""Benchmark questions: a built-in input-guided suite, calibration prompts and a JSONL loader.
+"""Benchmark questions: a built-in input-guided suite, a workload of repeated questions, calibration
+prompts and a JSONL loader.
 
 *Input-guided* tasks (the PLD+ paper's term) are tasks whose answer largely copies from the
 input: summarizing a text, editing code, rewriting a paragraph, continuing a conversation about a
@@ -576,8 +577,29 @@ def _input_guided(per_category: int) -> list[Question]:
     return [Question(f"ig-{CATEGORIES[c]}-{r}", CATEGORIES[c], columns[c][r]) for c, r in interleave(columns)]
 
 
+REPEATED_WORKLOAD: Final = Path(__file__).parent / "workloads" / "repeated.jsonl"
+"""The ``repeated`` suite's questions: 8 held-out questions of the committed corpus
+(``corpus/*/prompts.jsonl.xz``, split ``heldout``, none of ``heldout16``) asked first, then again
+by other users: word for word (``repeated``), reworded a little (``near-repeated``), and followed
+by a second turn that restates the answer (``follow-up``)."""
+
+
+def _repeated(per_category: int) -> list[Question]:
+    """The ``repeated`` suite: the first ``per_category`` questions of each of its categories
+    (``first``, ``repeated``, ``near-repeated``, ``follow-up``), in the file's order, which asks
+    every question first before any user asks it again."""
+    questions = load_questions(REPEATED_WORKLOAD)
+    taken: dict[str, int] = {}
+    kept = []
+    for q in questions:
+        if taken.get(q.category, 0) < per_category:
+            taken[q.category] = taken.get(q.category, 0) + 1
+            kept.append(q)
+    return kept
+
+
 _SUITES: Final[Mapping[str, Callable[[int], list[Question]]]] = MappingProxyType(
-    {"input-guided": _input_guided}
+    {"input-guided": _input_guided, "repeated": _repeated}
 )
 """Built-in suites by name."""
 
@@ -588,10 +610,10 @@ def suite_names() -> list[str]:
 
 
 def builtin_suite(name: str = "input-guided", per_category: int = 4) -> list[Question]:
-    """A built-in suite, generated from the standard library of the running Python.
-
-    Questions interleave categories (q0 = first summarization, q1 = first code-editing, ...), so
-    the first ``len(CATEGORIES)`` questions (``--limit 5``) cover every category once.
+    """A built-in suite: ``input-guided`` is generated from the standard library of the running
+    Python, its questions interleaving categories (q0 = first summarization, q1 = first
+    code-editing, ...), so the first ``len(CATEGORIES)`` questions (``--limit 5``) cover every
+    category once; ``repeated`` is a committed workload of questions asked again (``_repeated``).
     Raises ValueError for an unknown name, a negative count, or a count this Python cannot supply.
     """
     if name not in _SUITES:

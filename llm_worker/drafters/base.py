@@ -26,6 +26,7 @@ from datastore_svc.cache import QueryCache, StatsCache
 from datastore_svc.protocols import Datastore
 from llm_worker.config import SamplingParams
 from llm_worker.drafters.checkpoint import SharedNetworks
+from llm_worker.drafters.suffix_tree import SuffixStore
 from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.sampling import SamplingNoise
 from llm_worker.types import (
@@ -233,6 +234,10 @@ class DraftResources:
     networks: SharedNetworks = field(default_factory=SharedNetworks)
     """Learned drafters' networks loaded from checkpoints, shared by every mode spelling that
     reads one (``glide:window=1000`` and ``glide:window=1001`` hold one network, not two)."""
+    suffixes: SuffixStore = field(default_factory=SuffixStore)
+    """What ``suffix`` mode learned from finished requests, per tenant, under a bound on stored
+    tokens (``llm_worker.drafters.suffix_tree``): shared by every spelling of the mode, kept as
+    long as the worker."""
 
 
 class DrafterState:
