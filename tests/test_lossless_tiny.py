@@ -101,7 +101,15 @@ def test_greedy_every_mode_equals_ar(
 ) -> None:
     target = tiny_target(kind, backend=backend)
     engine = engine_for(target, curve, heads_file)
-    modes = ["pld", "pld:max_n=1", "pld+h:layer=1", "pld+h:layer=2:theta=0.2", "test-tree", "suffix"]
+    modes = [
+        "pld",
+        "pld:max_n=1",
+        "pld+h:layer=1",
+        "pld+h:layer=2:theta=0.2",
+        "test-tree",
+        "suffix",
+        "recycle",
+    ]
     if target.supports_queries:
         modes.append("pld+a")
     tally = DraftTally()
@@ -142,7 +150,7 @@ def test_sampling_every_mode_matches_exact_distribution(
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     dist = exact_distribution(model, prompt, params)
     engine = engine_for(target, FLAT_CURVE, heads)
-    for mode in ["ar", "pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q", "suffix"]:
+    for mode in ["ar", "pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q", "suffix", "recycle"]:
         counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
         p = chi_square_p(counts, dist, SAMPLES)
         assert p > 1e-3, f"{mode}: sampled continuations do not follow the target distribution (p = {p:.2g})"
@@ -170,7 +178,7 @@ def test_seeded_sampling_every_mode_equals_ar_with_the_seed(
     for seed, prompt in enumerate(prompts(target.info.vocab_size)):
         params = SamplingParams(temperature=0.3, top_p=0.95, seed=seed)
         ref = engine.generate(GenerationRequest(tuple(prompt), 48, "ar", params)).token_ids
-        for mode in ["pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q", "suffix"]:
+        for mode in ["pld", "pld+h:layer=1", "pld+a", "test-tree", "test-q", "suffix", "recycle"]:
             res = engine.generate(GenerationRequest(tuple(prompt), 48, mode, params))
             assert res.token_ids == ref, f"{kind}/{mode}/seed {seed}"
             tally.observe(mode, res.stats)

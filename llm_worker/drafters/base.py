@@ -26,6 +26,7 @@ from datastore_svc.cache import QueryCache, StatsCache
 from datastore_svc.protocols import Datastore
 from llm_worker.config import SamplingParams
 from llm_worker.drafters.checkpoint import SharedNetworks
+from llm_worker.drafters.recycle_store import RecycleStore
 from llm_worker.drafters.suffix_tree import SuffixStore
 from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.sampling import SamplingNoise
@@ -238,6 +239,9 @@ class DraftResources:
     """What ``suffix`` mode learned from finished requests, per tenant, under a bound on stored
     tokens (``llm_worker.drafters.suffix_tree``): shared by every spelling of the mode, kept as
     long as the worker."""
+    recycling: RecycleStore = field(default_factory=RecycleStore)
+    """Token Recycling's matrices, one per tenant, shared by every spelling of ``recycle``
+    (``llm_worker.drafters.recycle_store``; its bound, ``max_tenants``, is worker configuration)."""
 
 
 class DrafterState:
