@@ -140,7 +140,9 @@ corpus: setup
 # The target's own datastore (docs/datastores.md, "The target's own datastore"): the committed
 # corpus's train split as one sparse + dense version in OWN_SHARDS shards (every token in the
 # suffix arrays; dense keys for documents evenly spread up to OWN_DENSE_TOKENS tokens), and the
-# held-out split's first turns as Spec-Bench questions. Use it with --datastore $(OWN_DIR).
+# held-out split's first turns as Spec-Bench questions; IVF, measured the fastest index at this
+# size for the same recall (docs/measurements/2026-11-27-own-datastore.md). Use it with
+# --datastore $(OWN_DIR).
 # Resumable: the hidden states are cached in OWN_WORK; a finished version is kept (remove it to
 # build again).
 OWN_DIR          ?= bench-out/datastore-own
@@ -152,7 +154,7 @@ datastore-own: setup
 	$(VENV)/bin/specdraft datastore own-corpus --corpus $(CORPUS_DIR) --out $(OWN_WORK)/corpus.jsonl \
 	  --questions-out $(OWN_WORK)/heldout.jsonl
 	test -d $(OWN_DIR) || $(VENV)/bin/specdraft datastore build --corpus $(OWN_WORK)/corpus.jsonl \
-	  --out $(OWN_DIR) --shards $(OWN_SHARDS) --dense --dense-tokens $(OWN_DENSE_TOKENS) \
+	  --out $(OWN_DIR) --shards $(OWN_SHARDS) --dense --dense-tokens $(OWN_DENSE_TOKENS) --index ivf \
 	  --hidden-cache $(OWN_WORK)/hidden
 	$(VENV)/bin/specdraft datastore info $(OWN_DIR)
 

@@ -495,3 +495,11 @@ def test_dense_keys_for_a_subsample_of_documents(tiny, tmp_path: Path) -> None:
         every = set(key_positions(shard.tokens, shard.separator).tolist())
         kept = shard.dense.positions.tolist()
         assert set(kept) <= every and len(kept) < len(every)
+    # a dense rebuild (--from) keys the same documents unless told otherwise
+    from argparse import Namespace
+
+    from client.cli.datastore import _dense_tokens
+
+    assert _dense_tokens(Namespace(dense_tokens=0, source=str(tmp_path / "v1"))) == whole // 3
+    assert _dense_tokens(Namespace(dense_tokens=7, source=str(tmp_path / "v1"))) == 7
+    assert _dense_tokens(Namespace(dense_tokens=0, source=None)) == 0

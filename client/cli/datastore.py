@@ -81,7 +81,8 @@ def _add_version_args(p: argparse.ArgumentParser, derive: bool) -> None:
         "--dense-tokens",
         type=int,
         default=0,
-        help="keys for documents evenly spread up to about this many tokens (0 = all; sparse keeps all)",
+        help="keys for documents evenly spread up to about this many tokens (0 = all, or with --from: "
+        "the source's); the sparse part keeps every token",
     )
     dn.add_argument("--hidden-cache", help="hidden-state cache (default: ~/.cache/specdraft/hidden)")
     dn.add_argument("--redis", help="publish the statistics to this Redis (redis://HOST:PORT)")
@@ -224,6 +225,19 @@ def _add_rebuild(dsc_sub: Any) -> None:
     rb.set_defaults(func=cmd_rebuild)
 
 
+def _dense_tokens(args: argparse.Namespace) -> int:
+    """``--dense-tokens``, or for a dense rebuild (``--from``) without it the source's own subsample:
+    a rebuild with other dimensions keys the same documents (and finds their hidden states cached)."""
+    if args.dense_tokens or not getattr(args, "source", None):
+        return int(args.dense_tokens)
+    from datastore_svc.store import DatastoreError, read_manifest
+
+    try:
+        return int(read_manifest(Path(args.source)).get("dense", {}).get("max_tokens", 0))
+    except DatastoreError as exc:
+        raise CliError(str(exc)) from exc
+
+
 def _dense_step(args: argparse.Namespace) -> tuple[Extend, Tokenizer, Path]:
     """(the build step adding the dense index, the model's tokenizer, the model directory)."""
     from datastore_svc.dense import IndexParams
@@ -242,7 +256,7 @@ def _dense_step(args: argparse.Namespace) -> tuple[Extend, Tokenizer, Path]:
             overlap=default_overlap(args.window) if args.overlap is None else args.overlap,
             batch=args.batch,
             sample=args.stats_sample,
-            max_tokens=args.dense_tokens,
+            max_tokens=_dense_tokens(args),
             cache_dir=Path(args.hidden_cache) if args.hidden_cache else None,
         )
     except ValueError as exc:
