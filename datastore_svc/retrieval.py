@@ -191,10 +191,9 @@ def _candidates(
     """The tree of the continuations ``mat`` ([N, L] rows in lexicographic order, read at
     ``starts`` after a match of ``c`` tokens): its ``cfg.max_nodes`` most frequent prefixes, and
     their leaves as candidates, most frequent first."""
-    picked = starts
     nodes = trie_of_sorted(mat)
     if not len(nodes.count):
-        return Retrieval((), c, occurrences, len(picked))
+        return Retrieval((), c, occurrences, len(starts))
     keep = select_nodes(nodes.count, nodes.depth, cfg.max_nodes)
     leaves = _leaves(nodes, keep)
     leaves = leaves[np.lexsort((leaves, -nodes.count[leaves]))][: cfg.max_candidates]
@@ -212,7 +211,7 @@ def _candidates(
         Candidate(tuple(token_rows[i][: d + 1]), tuple(count_rows[i][: d + 1]), sources[i])
         for i, d in enumerate(lengths)
     ]
-    return Retrieval(tuple(candidates), c, occurrences, len(picked))
+    return Retrieval(tuple(candidates), c, occurrences, len(starts))
 
 
 def well_formed(candidates: Iterable[Candidate], max_length: int) -> tuple[Candidate, ...]:
