@@ -8,7 +8,8 @@
 # results (corpus/: its xz files and manifest, to copy over CORPUS).
 #
 # Knobs (environment): DEADLINE (seconds from the start by which the checkpoints are exported),
-# EDD_SECONDS (what EDD gets after GLIDE, features included, 180; 0: none), VANILLA_SECONDS (what
+# EDD_SECONDS (what EDD gets after GLIDE, features included, 180; 0: none), GLIDE_TRAIN (1; 0: the
+# GLIDE stage makes the data alone, and EDD gets the time GLIDE would have), VANILLA_SECONDS (what
 # the ablation gets at the end, 150; 0: none),
 # DATA_MIN (minutes of data generation), BATCH (sequences per generate call), INSTRUCTIONS,
 # LOCAL_TASKS, ANSWER_TOKENS, STEPS, TOKENS_PER_BATCH, FEATURE_GB, MODEL (default: the default model).
@@ -42,8 +43,10 @@ fi
 # each ran five times slower (the first run's log).
 edd_seconds=${EDD_SECONDS:-180}
 vanilla_seconds=${VANILLA_SECONDS:-150}
+glide_only=()
+if [ "${GLIDE_TRAIN:-1}" = 0 ]; then glide_only=(--data-only); fi
 timeout -k 20 "$(($(left) + 30))" "$py" -m client.cli train glide "${common[@]}" --out "$work/out/glide" \
-  --data-minutes "${DATA_MIN:-3.5}" \
+  --data-minutes "${DATA_MIN:-3.5}" "${glide_only[@]}" \
   --finish-minutes "$("$py" -c "print(max(0.5, ($(left) - $edd_seconds - $vanilla_seconds) / 60))")" \
   >"$log/glide.json" 2>"$log/glide.err"
 echo "glide exit $?" >>"$log/exits.txt"
