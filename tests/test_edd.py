@@ -34,6 +34,7 @@ from llm_worker.model import native, quant, wrap_model
 from llm_worker.planner import CostCurve
 from llm_worker.training.edd import EddTrainConfig, EddTrainer
 from llm_worker.training.features import Sequence_, _teacher_forced
+from llm_worker.training.trainer import batches
 from llm_worker.types import DraftTree
 
 MODES = ["edd", "edd+pct", "edd+pct:topk=2:width=2:depth=4"]
@@ -409,3 +410,23 @@ def test_proposals_are_a_chain_and_a_tree_within_the_budget(
             assert len(set(siblings)) == len(siblings)
             shapes.append((max(draft.parents), len(draft) - len(set(draft.parents))))
     assert any(deepest >= 0 and leaves > 1 for deepest, leaves in shapes), shapes
+
+
+def test_batches_built_ahead_train_exactly_as_built_in_step(
+    tiny_edd: tuple[Any, Path, EddTrainer], tmp_path: Path
+) -> None:
+    """``ahead`` builds the next batches on the host in a background thread: the losses and the
+    weights are bit for bit those of building each batch when its step comes, across epochs."""
+    model, _, trained = tiny_edd
+    seqs = own_sequences(model, 6, seed=1, layer=trained.net_cfg.prompt_layer)
+    runs = []
+    for ahead in (0, 3):
+        cfg = EddTrainConfig(steps=9, tokens_per_batch=256, eval_every=4, ahead=ahead)
+        trainer = EddTrainer(trained.net_cfg, model, trained.d2t, seqs, seqs[:2], cfg)
+        trainer.fit(tmp_path / f"state-{ahead}.pt")
+        runs.append(trainer)
+    epochs = len(batches(runs[0].train, 256, random.Random(0)))
+    assert epochs < 9  # the run crossed an epoch
+    assert runs[0].losses == runs[1].losses and len(runs[0].losses) == 9
+    for name, weight in runs[0].net.state_dict().items():
+        assert torch.equal(weight, runs[1].net.state_dict()[name]), name

@@ -488,7 +488,7 @@ def test_prompt_positions_are_labels_only_when_weighted(context_weight: float) -
     rows, answers = int(t["labelled"].sum()), int(t["loss"].sum())
     assert rows == answers if context_weight == 0 else rows > answers
     assert len(t["labels"]) == len(t["hidden"]) == len(t["answer"]) == rows
-    assert torch.isfinite(trainer.loss(trainer.train[:2], [0, 1]))
+    assert torch.isfinite(trainer.loss(trainer._inputs(trainer.train[:2], [0, 1])))
 
 
 def test_a_drafters_state_matches_the_committed_tokens_up_to_their_first_difference() -> None:
@@ -498,3 +498,24 @@ def test_a_drafters_state_matches_the_committed_tokens_up_to_their_first_differe
     assert shared_prefix(np.array([5, 6]), np.array([5, 6, 9, 1])) == 2
     assert shared_prefix(np.empty(0, dtype=np.int64), np.array([5])) == 0
     assert shared_prefix(np.array([4, 6]), np.array([5, 6])) == 0
+
+
+def test_batches_built_ahead_train_exactly_as_built_in_step(tmp_path: Path) -> None:
+    """``ahead`` builds the next batches on the host in a background thread (each epoch's block
+    shifts included): the losses and weights equal building each batch when its step comes."""
+    from helpers.glide import own_sequences
+    from llm_worker.drafters.glide_net import glide_config_for
+    from llm_worker.training.trainer import GlideTrainer, TrainConfig
+
+    model = tiny_model("llama", vocab=96)
+    seqs = own_sequences(model, 6, seed=3)
+    runs = []
+    for ahead in (0, 3):
+        cfg = TrainConfig(steps=9, tokens_per_batch=256, eval_every=4, ahead=ahead)
+        trainer = GlideTrainer(glide_config_for(model, 96), model, torch.arange(96), seqs, seqs[:1], cfg)
+        trainer.fit(tmp_path / f"state-{ahead}.pt")
+        runs.append(trainer)
+    assert runs[0].losses == runs[1].losses and len(runs[0].losses) == 9
+    assert len(set(runs[0].shifts.values())) > 1
+    for name, weight in runs[0].net.state_dict().items():
+        assert torch.equal(weight, runs[1].net.state_dict()[name]), name

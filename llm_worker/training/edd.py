@@ -33,7 +33,7 @@ from llm_worker.drafters.edd_net import (
 )
 from llm_worker.drafters.glide_net import rope_tables
 from llm_worker.training.features import Sequence_
-from llm_worker.training.trainer import LoopConfig, StepTrainer, target_argmax
+from llm_worker.training.trainer import LoopConfig, StepTrainer, pinned, target_argmax
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,15 @@ class EddTrainer(StepTrainer[EddExample]):
         self.curve: list[dict[str, Any]] = []
 
     def _batch(self, items: list[EddExample], generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-        """Padded tensors of ``items`` and each position's block start: random block lengths from
+        return self._on_device(self._host_batch(items, generator))
+
+    def _on_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: tensor.to(self.device, non_blocking=True) for name, tensor in host.items()}
+
+    def _host_batch(
+        self, items: list[EddExample], generator: torch.Generator | None
+    ) -> dict[str, torch.Tensor]:
+        """Padded host tensors of ``items`` and each position's block start: random block lengths from
         ``generator``, or (None) blocks of ``max_block`` from position 0."""
         n = max(len(e.tokens) for e in items)
         b = len(items)
@@ -130,15 +138,17 @@ class EddTrainer(StepTrainer[EddExample]):
             else:
                 lo, hi = self.net_cfg.min_block, self.net_cfg.max_block
                 starts[row] = random_block_starts(n, lo, hi, generator)
-        dev = self.device
-        return {
-            "tokens": tokens.to(dev),
-            "mask": mask.to(dev),
-            "prompt": prompt.to(dev),
-            "final": torch.cat([e.final for e in items]).float().to(dev),  # [m, hidden] in row order
-            "label": torch.cat([e.label for e in items]).to(dev),  # [m]
-            "starts": starts.to(dev),
-        }
+        return pinned(
+            {
+                "tokens": tokens,
+                "mask": mask,
+                "prompt": prompt,
+                "final": torch.cat([e.final for e in items]).float(),  # [m, hidden] in row order
+                "label": torch.cat([e.label for e in items]),  # [m]
+                "starts": starts,
+            },
+            self.device,
+        )
 
     def _logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """[m, V] the draft's logits at the loss positions (in row order)."""
@@ -154,12 +164,17 @@ class EddTrainer(StepTrainer[EddExample]):
         target_logp = F.log_softmax(t["final"] @ self.draft_head.T, dim=-1)  # [m, V]
         kl = (target_logp.exp() * (target_logp - logp)).sum(-1).mean()
         label = self.to_draft[t["label"]]  # [m], -100 outside the draft vocabulary
-        hard = F.nll_loss(logp, label, ignore_index=-100) if bool((label >= 0).any()) else logp.sum() * 0
+        known = label >= 0  # a mean over these (0 when none), without reading the device back
+        nll = -logp.gather(1, label.clamp(min=0)[:, None])[:, 0]
+        hard = (nll * known).sum() / known.sum().clamp(min=1)
         return self.cfg.kl_weight * kl + self.cfg.hard_weight * hard
 
-    def batch_loss(self, chosen: list[int]) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
-        return self.loss(self._batch([self.train[i] for i in chosen], generator))
+    def host_batch(self, chosen: list[int], step: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        return self._host_batch([self.train[i] for i in chosen], generator)
+
+    def batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.loss(self._on_device(batch))
 
     def evaluate(self, limit_tokens: int = 1 << 30) -> tuple[list[float], int]:
         """Held-out top-1 agreement with the target's argmax per depth (position in its block),

@@ -21,6 +21,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -59,6 +60,10 @@ class LoopConfig:
     """Stop (state saved, checkpoint exported) after this long."""
     seed: int = 0
     device: str = "cpu"
+    ahead: int = 2
+    """Batches built on the host ahead of the step that uses them, in a background thread, while
+    the device runs the steps before (0: each built when its step comes). The batches and the
+    results are the same either way; on a GPU the host's share of a step stops adding to it."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,14 @@ class HasTokens(Protocol):
 ExampleT = TypeVar("ExampleT", bound=HasTokens)
 
 
+def pinned(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``tensors`` in page-locked memory when they go to a CUDA device (so the copy runs beside the
+    device's work), else as they are."""
+    if device.type != "cuda":
+        return tensors
+    return {name: tensor.pin_memory() for name, tensor in tensors.items()}
+
+
 def batches(examples: Sequence[HasTokens], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
     """Indices of ``examples`` packed into batches (similar lengths together, order shuffled)."""
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), rng.random()))
@@ -159,6 +172,10 @@ def batches(examples: Sequence[HasTokens], tokens_per_batch: int, rng: random.Ra
         out.append(current)
     rng.shuffle(out)
     return out
+
+
+LOSSES_READ_EVERY = 16
+"""Steps between reads of the training losses from the device (each read waits for the device)."""
 
 
 class StepTrainer(Generic[ExampleT]):
@@ -190,14 +207,19 @@ class StepTrainer(Generic[ExampleT]):
     the amount of data: ``{"step": 200, "answer_tokens_seen": 409600, "top1_by_depth": [0.31,
     ...], "positions": 20000}``."""
 
-    RUN_OWN = ("steps", "eval_every", "save_every", "max_seconds", "device")
+    RUN_OWN = ("steps", "eval_every", "save_every", "max_seconds", "device", "ahead")
     """Settings a resumed run may change: they are the run's, not the network's."""
 
     def start_epoch(self, rng: random.Random) -> None:
         """Draw what an epoch fixes (after its batches, from the same ``rng``); nothing by default."""
 
-    def batch_loss(self, chosen: list[int]) -> torch.Tensor:
-        """The loss of one batch: the training examples at ``chosen``."""
+    def host_batch(self, chosen: list[int], step: int) -> dict[str, torch.Tensor]:
+        """Step ``step``'s batch (the training examples at ``chosen``) as host tensors: only what
+        the epoch and the step fix may enter it, since it is built ahead, in another thread."""
+        raise NotImplementedError
+
+    def batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of one batch that ``host_batch`` built (moved to the device here)."""
         raise NotImplementedError
 
     def evaluate(self, limit_tokens: int = 1 << 30) -> tuple[list[float], int]:
@@ -283,35 +305,52 @@ class StepTrainer(Generic[ExampleT]):
         accuracy: list[float] = []
         epoch_batches: list[list[int]] = []
         epoch = -1
-        while self.step < cfg.steps:
-            per_epoch = len(batches(self.train, cfg.tokens_per_batch, random.Random(0)))
-            if self.step // per_epoch != epoch:
-                epoch = self.step // per_epoch
-                rng = random.Random(cfg.seed * 1000 + epoch)
-                epoch_batches = batches(self.train, cfg.tokens_per_batch, rng)
-                self.start_epoch(rng)
-            chosen = epoch_batches[self.step % per_epoch]
-            spent = 0.0 if cfg.max_seconds is None else (time.perf_counter() - began) / cfg.max_seconds
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr_at(self.step, spent)
-            self.net.train()
-            loss = self.batch_loss(chosen)
-            self.seen += sum(int(self.train[i].loss_mask.sum().item()) for i in chosen)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.clip)
-            self.opt.step()
-            self.step += 1
-            self.losses.append(float(loss.detach()))
-            stop = cfg.max_seconds is not None and time.perf_counter() - began > cfg.max_seconds
-            if self.step % cfg.eval_every == 0 and self.heldout:
-                accuracy = self._evaluated(limit_tokens=20000)
-            if self.step % cfg.save_every == 0 or self.step == cfg.steps or stop:
-                self.save_state(state_path)
-            if progress is not None:
-                progress({"step": self.step, "loss": self.losses[-1], "accuracy": accuracy})
-            if stop:
-                break
+        per_epoch = len(batches(self.train, cfg.tokens_per_batch, random.Random(0)))
+        ahead: dict[int, Future[dict[str, torch.Tensor]]] = {}
+        unread: list[torch.Tensor] = []  # losses still on the device: read back in one go, not per step
+        with ThreadPoolExecutor(max_workers=1) as builder:
+            while self.step < cfg.steps:
+                if self.step // per_epoch != epoch:  # every batch built ahead was of the last epoch's
+                    epoch = self.step // per_epoch
+                    rng = random.Random(cfg.seed * 1000 + epoch)
+                    epoch_batches = batches(self.train, cfg.tokens_per_batch, rng)
+                    self.start_epoch(rng)
+                last = min(cfg.steps, (epoch + 1) * per_epoch, self.step + 1 + cfg.ahead)
+                for step in range(self.step + 1, last):
+                    if step not in ahead:
+                        ahead[step] = builder.submit(self.host_batch, epoch_batches[step % per_epoch], step)
+                chosen = epoch_batches[self.step % per_epoch]
+                built = ahead.pop(self.step, None)
+                batch = built.result() if built is not None else self.host_batch(chosen, self.step)
+                spent = 0.0 if cfg.max_seconds is None else (time.perf_counter() - began) / cfg.max_seconds
+                for group in self.opt.param_groups:
+                    group["lr"] = self.lr_at(self.step, spent)
+                self.net.train()
+                loss = self.batch_loss(batch)
+                self.seen += sum(int(self.train[i].loss_mask.sum().item()) for i in chosen)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.clip)
+                self.opt.step()
+                self.step += 1
+                unread.append(loss.detach())
+                stop = cfg.max_seconds is not None and time.perf_counter() - began > cfg.max_seconds
+                evaluate = self.step % cfg.eval_every == 0 and bool(self.heldout)
+                save = self.step % cfg.save_every == 0 or self.step == cfg.steps or stop
+                if evaluate or save or stop or len(unread) >= LOSSES_READ_EVERY:
+                    self.losses.extend(torch.stack(unread).float().tolist())
+                    unread.clear()
+                if evaluate:
+                    accuracy = self._evaluated(limit_tokens=20000)
+                if save:
+                    self.save_state(state_path)
+                if progress is not None:  # with the last loss read back
+                    shown = self.losses[-1] if self.losses else float("nan")
+                    progress({"step": self.step, "loss": shown, "accuracy": accuracy})
+                if stop:
+                    break
+            for pending in ahead.values():
+                pending.cancel()
         self.net.eval()
         accuracy = self._evaluated() if self.heldout else []
         return TrainReport(
@@ -385,6 +424,9 @@ class GlideTrainer(StepTrainer[Example]):
     # -- one batch ----------------------------------------------------------------------------
 
     def _inputs(self, items: list[Example], shifts: list[int]) -> dict[str, torch.Tensor]:
+        return self._on_device(self._host_inputs(items, shifts))
+
+    def _host_inputs(self, items: list[Example], shifts: list[int]) -> dict[str, torch.Tensor]:
         b, length = len(items), max(len(e.tokens) for e in items)
         kv, d = self.net_cfg.num_kv_heads, self.net_cfg.head_dim
         tokens = torch.zeros(b, length, dtype=torch.long)
@@ -412,20 +454,27 @@ class GlideTrainer(StepTrainer[Example]):
             )
         )
         causal = torch.ones(length, length, dtype=torch.bool).tril()
-        dev = self.device
-        return {
-            "x": self.embed[tokens.to(dev)],
-            "positions": positions.to(dev),
-            "self_allowed": (causal[None] & valid[:, None, :])[:, None].to(dev),
-            "cross": (cross_allowed(positions, length, limit) & valid[:, None, None, :]).to(dev),
-            "keys": keys.to(dev),
-            "values": values.to(dev),
-            "loss": loss.to(dev),
-            "labelled": labelled.to(dev),
-            "answer": loss[labelled].to(dev),  # [m]: which labelled rows are answer positions
-            "hidden": torch.cat(hidden).to(dev),
-            "labels": torch.cat(labels).to(dev),
-        }
+        return pinned(
+            {
+                "tokens": tokens,
+                "positions": positions,
+                "self_allowed": (causal[None] & valid[:, None, :])[:, None],
+                "cross": cross_allowed(positions, length, limit) & valid[:, None, None, :],
+                "keys": keys,
+                "values": values,
+                "loss": loss,
+                "labelled": labelled,
+                "answer": loss[labelled],  # [m]: which labelled rows are answer positions
+                "hidden": torch.cat(hidden),
+                "labels": torch.cat(labels),
+            },
+            self.device,
+        )
+
+    def _on_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t = {name: tensor.to(self.device, non_blocking=True) for name, tensor in host.items()}
+        t["x"] = self.embed[t.pop("tokens")]
+        return t
 
     def _logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         pos = t["positions"]
@@ -441,8 +490,8 @@ class GlideTrainer(StepTrainer[Example]):
         )
         return logits  # [m, V] at labelled positions, in sequence order
 
-    def loss(self, items: list[Example], shifts: list[int]) -> torch.Tensor:
-        t = self._inputs(items, shifts)
+    def loss(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of a batch on the device (``_inputs``)."""
         logits = self._logits(t)
         logp = F.log_softmax(logits.float(), dim=-1)  # [m, V]
         weight = torch.where(t["answer"], 1.0, self.cfg.context_weight)  # [m]
@@ -484,5 +533,8 @@ class GlideTrainer(StepTrainer[Example]):
         """Each sequence's block grid is shifted at random for the epoch."""
         self.shifts = {i: rng.randrange(self.net_cfg.block_size) for i in range(len(self.train))}
 
-    def batch_loss(self, chosen: list[int]) -> torch.Tensor:
-        return self.loss([self.train[i] for i in chosen], [self.shifts[i] for i in chosen])
+    def host_batch(self, chosen: list[int], step: int) -> dict[str, torch.Tensor]:
+        return self._host_inputs([self.train[i] for i in chosen], [self.shifts[i] for i in chosen])
+
+    def batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.loss(self._on_device(batch))

@@ -84,11 +84,9 @@ def main() -> None:
         chosen = [trainer.train[i] for i in plan[step % len(plan)]]
         _sync(a.device)
         t0 = time.perf_counter()
-        dev, trainer.device = trainer.device, torch.device("cpu")
-        batch = trainer._batch(chosen, gen)
-        trainer.device = dev
+        host_batch = trainer._host_batch(chosen, gen)
         t1 = time.perf_counter()
-        batch = {k: v.to(dev) for k, v in batch.items()}
+        batch = trainer._on_device(host_batch)
         _sync(a.device)
         t2 = time.perf_counter()
         loss = trainer.loss(batch)
