@@ -34,7 +34,7 @@ from datastore_svc.manifest import DenseStatsEntry
 
 INDEX_KINDS = ("auto", "flat", "hnsw", "ivf", "ivfpq")
 FLAT_MAX_KEYS = 200_000
-"""``auto`` searches exactly up to this many keys per shard, approximately (HNSW) above."""
+"""``auto`` searches exactly up to this many keys per shard, approximately (IVF) above."""
 
 
 class DenseError(ValueError):
@@ -224,11 +224,21 @@ def fit_stats(sample: np.ndarray, dims: int, eps: float = 1e-6) -> DenseStats:
 
 
 def choose_kind(num_keys: int, requested: str = "auto") -> str:
+    """The index type a shard of ``num_keys`` keys gets: ``requested`` unless it is ``auto``, which
+    is exact search (``flat``) up to ``FLAT_MAX_KEYS`` keys and inverted lists (``ivf``) above.
+
+    IVF because it was measured best above the bound (docs/measurements/2026-11-27-own-datastore.md,
+    400k keys of the target's own datastore): against HNSW a third of the memory, half the
+    latency and a higher recall of exact search. HNSW stays available by name.
+
+    Example: ``choose_kind(1000)`` → ``"flat"``; ``choose_kind(200_001)`` → ``"ivf"``;
+    ``choose_kind(200_001, "hnsw")`` → ``"hnsw"``.
+    """
     if requested not in INDEX_KINDS:
         raise DenseError(f"index type {requested!r}: choose one of {', '.join(INDEX_KINDS)}")
     if requested != "auto":
         return requested
-    return "flat" if num_keys <= FLAT_MAX_KEYS else "hnsw"
+    return "flat" if num_keys <= FLAT_MAX_KEYS else "ivf"
 
 
 @dataclass(frozen=True)
@@ -245,7 +255,10 @@ def build_faiss_index(keys: np.ndarray, kind: str, params: IndexParams = IndexPa
     """A FAISS inner-product index over ``keys`` [n, dims] (unit-norm float32), ids = row numbers.
 
     ``flat``: exact search over float16 keys; ``hnsw``: HNSW graph over float16 keys; ``ivf``:
-    inverted lists of float16 keys; ``ivfpq``: inverted lists of product-quantised keys.
+    inverted lists of float16 keys; ``ivfpq``: inverted lists of product-quantised keys. Unless
+    ``params.ivf_lists`` says otherwise, IVF keeps about 4 √n lists but never more than n / 39, the
+    fewest training points per centroid FAISS's k-means accepts without a warning: 200 001 keys
+    (the fewest ``auto`` sends to IVF) train 1 788 lists of about 112 keys.
     """
     import faiss
 

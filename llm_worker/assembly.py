@@ -15,6 +15,8 @@ from typing import cast
 from datastore_svc.protocols import Datastore
 from llm_worker.config import ModelConfig
 from llm_worker.drafters import DraftResources
+from llm_worker.drafters.recycle_store import RECYCLE_MAX_TENANTS, RecycleStore
+from llm_worker.drafters.suffix_tree import SUFFIX_MAX_TOKENS, SuffixStore
 from llm_worker.engine import Engine
 from llm_worker.model import load_target
 from llm_worker.model.loading import ModelNotFoundError, quiet_libraries
@@ -53,6 +55,10 @@ class ResourceConfig:
     """The induction-head calibration of ``pld+a`` (None = the one shipped for the model)."""
     drafters_dir: str | None = None
     """Learned drafters' checkpoints (``glide.json``, ...) looked for before the shipped ones."""
+    suffix_max_tokens: int = SUFFIX_MAX_TOKENS
+    """Tokens ``suffix`` mode keeps of finished requests, over all tenants (``SuffixStore``)."""
+    recycle_max_tenants: int = RECYCLE_MAX_TENANTS
+    """Token Recycling matrices kept, one per tenant (``RecycleStore``)."""
 
 
 def load_model(cfg: ModelConfig) -> tuple[TargetModel, Tokenizer]:
@@ -65,10 +71,12 @@ def load_model(cfg: ModelConfig) -> tuple[TargetModel, Tokenizer]:
 
 
 def build_resources(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> DraftResources:
-    """The datastore (local or remote) and the dense caches of ``cfg``; none of them when
-    ``cfg`` names no datastore."""
+    """The datastore (local or remote) and the dense caches of ``cfg`` (none of them when
+    ``cfg`` names no datastore), and the online stores of ``suffix`` and ``recycle`` under
+    ``cfg``'s bounds."""
     if cfg.datastore_path and cfg.datastore_addresses:
         raise AssemblyError("give --datastore or --datastore-addr, not both")
+    suffixes, recycling = SuffixStore(cfg.suffix_max_tokens), RecycleStore(cfg.recycle_max_tenants)
     datastore: Datastore | None = None
     if cfg.datastore_path:
         from datastore_svc.dense import faiss_gpus
@@ -112,7 +120,7 @@ def build_resources(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> DraftRe
     if drafters is not None and not drafters.is_dir():
         raise AssemblyError(f"--drafters-dir {drafters} is not a directory")
     if datastore is None:
-        return DraftResources(heads_file=heads, drafters_dir=drafters)
+        return DraftResources(heads_file=heads, drafters_dir=drafters, suffixes=suffixes, recycling=recycling)
     from datastore_svc.cache import QueryCache, StatsCache, link_for
 
     try:
@@ -130,6 +138,8 @@ def build_resources(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> DraftRe
         dense_queries=queries,
         heads_file=heads,
         drafters_dir=drafters,
+        suffixes=suffixes,
+        recycling=recycling,
     )
 
 

@@ -189,6 +189,40 @@ def test_usage_errors_follow_the_contract(capsys: pytest.CaptureFixture[str]) ->
     assert err.startswith("specdraft: error:") and err.count("\n") == 1
 
 
+def test_worker_bounds_of_the_online_stores_reach_the_stores() -> None:
+    """``serve worker --suffix-max-tokens / --recycle-max-tenants`` become the bounds of the stores
+    the worker's drafters share; without them, the stores' own defaults."""
+    from client.cli import build_parser
+    from client.cli.common import resource_config
+    from llm_worker.assembly import build_resources
+    from llm_worker.drafters.recycle_store import RecycleStore
+    from llm_worker.drafters.suffix_tree import SuffixStore
+
+    args = build_parser().parse_args(
+        ["serve", "worker", "--suffix-max-tokens", "1000", "--recycle-max-tenants", "3"]
+    )
+    resources = build_resources(resource_config(args), None)
+    assert resources.suffixes.max_tokens == 1000 and resources.recycling.max_tenants == 3
+    defaults = build_resources(resource_config(build_parser().parse_args(["serve", "worker"])), None)
+    assert defaults.suffixes.max_tokens == SuffixStore().max_tokens == 262_144
+    assert defaults.recycling.max_tenants == RecycleStore().max_tenants == 16
+    generate = build_resources(resource_config(build_parser().parse_args(["generate", "hi"])), None)
+    assert generate.suffixes.max_tokens == 262_144 and generate.recycling.max_tenants == 16
+
+
+@pytest.mark.parametrize("flag", ["--suffix-max-tokens", "--recycle-max-tenants"])
+@pytest.mark.parametrize("value", ["0", "-5", "many"])
+def test_worker_refuses_a_non_positive_store_bound(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "worker", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specdraft: error: argument {flag}:") and err.count("\n") == 1, err
+    assert value == "many" or f"must be >= 1, got {value}" in err
+
+
 def test_pld_a_refuses_a_head_file_of_another_model(
     tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from datastore_svc.dense import (
+    FLAT_MAX_KEYS,
     DenseConfig,
     DenseError,
     DenseIndex,
@@ -206,10 +207,30 @@ def test_approximate_indexes_recall_exact_search(kind: str, floor: float, tmp_pa
 
 
 def test_auto_index_kind_by_size() -> None:
-    assert choose_kind(1000) == "flat" and choose_kind(10_000_000) == "hnsw"
-    assert choose_kind(10, "ivf") == "ivf"
+    assert choose_kind(FLAT_MAX_KEYS) == "flat" and choose_kind(FLAT_MAX_KEYS + 1) == "ivf"
+    assert choose_kind(10_000_000) == "ivf"  # measured better than HNSW above the bound
+    assert choose_kind(10, "ivf") == "ivf" and choose_kind(10_000_000, "hnsw") == "hnsw"
     with pytest.raises(DenseError, match="choose one of"):
         choose_kind(10, "annoy")
+
+
+def test_auto_ivf_trains_just_above_the_flat_bound(capfd: pytest.CaptureFixture[str]) -> None:
+    """The smallest shard ``auto`` sends to IVF gets enough training points per list (FAISS's
+    k-means warns below 39) and finds what exact search finds."""
+    import faiss
+
+    n = FLAT_MAX_KEYS + 1
+    keys = np.random.default_rng(0).standard_normal((n, 8)).astype(np.float32)
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    capfd.readouterr()
+    index = build_faiss_index(keys, choose_kind(n))
+    assert "WARNING" not in capfd.readouterr().err  # e.g. "please provide at least 69732 training points"
+    ivf = faiss.extract_index_ivf(index)
+    assert index.is_trained and index.ntotal == n and n // ivf.nlist >= 39
+    queries = keys[:200] + 0.05 * np.random.default_rng(1).standard_normal((200, 8)).astype(np.float32)
+    _, approx = DenseIndex(index, np.arange(n)).search(queries, 8)
+    _, exact = exact_search(keys, queries, 8)
+    assert recall_at(approx, exact) >= 0.9
 
 
 # -- drafts from hits ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from specdraft.common import atomic_write_text
 
 if TYPE_CHECKING:
+    from llm_worker.assembly import ResourceConfig
     from llm_worker.config import ModelConfig
     from llm_worker.engine import Engine
     from llm_worker.model.target import TargetModel
@@ -147,12 +148,13 @@ def model_from_args(
         raise CliError(str(exc)) from exc
 
 
-def engine_from_args(args: argparse.Namespace) -> tuple[Engine, TargetModel, Any]:
-    """(engine, target, tokenizer) of the model options and, where the command has them, the
-    datastore options."""
-    from llm_worker.assembly import AssemblyError, ResourceConfig, load_engine
+def resource_config(args: argparse.Namespace) -> ResourceConfig:
+    """What the engine drafts from: the datastore options and, where the command has them
+    (``serve worker``), the bounds of the online stores; defaults for what it lacks."""
+    from llm_worker.assembly import ResourceConfig
 
-    resources = ResourceConfig(
+    defaults = ResourceConfig()
+    return ResourceConfig(
         datastore_path=getattr(args, "datastore", None),
         datastore_addresses=addresses(getattr(args, "datastore_addr", None) or ""),
         datastore_deadline_seconds=getattr(args, "datastore_deadline_ms", 20.0) / 1000.0,
@@ -163,9 +165,18 @@ def engine_from_args(args: argparse.Namespace) -> tuple[Engine, TargetModel, Any
         datastore_security=client_security(args, prefix="datastore-"),
         heads_file=getattr(args, "heads_file", None),
         drafters_dir=getattr(args, "drafters_dir", None),
+        suffix_max_tokens=getattr(args, "suffix_max_tokens", defaults.suffix_max_tokens),
+        recycle_max_tenants=getattr(args, "recycle_max_tenants", defaults.recycle_max_tenants),
     )
+
+
+def engine_from_args(args: argparse.Namespace) -> tuple[Engine, TargetModel, Any]:
+    """(engine, target, tokenizer) of the model options and, where the command has them, the
+    datastore options (``resource_config``)."""
+    from llm_worker.assembly import AssemblyError, load_engine
+
     try:
-        return load_engine(model_config(args), resources)
+        return load_engine(model_config(args), resource_config(args))
     except AssemblyError as exc:
         raise CliError(str(exc)) from exc
 

@@ -67,7 +67,12 @@ def _add_version_args(p: argparse.ArgumentParser, derive: bool) -> None:
     else:
         p.set_defaults(source=None)
     dn.add_argument("--pca-dims", type=positive_int, default=64, help="query / key dimensions")
-    dn.add_argument("--index", default="auto", choices=["auto", "flat", "hnsw", "ivf", "ivfpq"])
+    dn.add_argument(
+        "--index",
+        default="auto",
+        choices=["auto", "flat", "hnsw", "ivf", "ivfpq"],
+        help="auto = exact search (flat) up to 200k keys per shard, inverted lists (ivf) above",
+    )
     dn.add_argument("--hnsw-m", type=positive_int, default=32)
     dn.add_argument("--ivf-lists", type=int, default=0, help="0 = about 4 sqrt(keys)")
     dn.add_argument("--pq-bytes", type=int, default=0, help="ivfpq bytes per key (0 = dims / 2)")

@@ -12,6 +12,7 @@ from client.cli.common import (
     add_model_args,
     add_server_security_args,
     engine_from_args,
+    positive_int,
     server_security,
 )
 
@@ -56,6 +57,19 @@ def add_serve(sub: Any) -> None:
     )
     w.add_argument(
         "--max-generation-seconds", type=float, default=600.0, help="wall time one generation may take"
+    )
+    g = w.add_argument_group("online drafting (suffix, recycle)")
+    g.add_argument(
+        "--suffix-max-tokens",
+        type=positive_int,
+        default=262_144,
+        help="tokens suffix mode keeps of finished requests, over all tenants (oldest evicted)",
+    )
+    g.add_argument(
+        "--recycle-max-tenants",
+        type=positive_int,
+        default=16,
+        help="Token Recycling matrices kept, one per tenant (least recently used evicted)",
     )
     add_server_security_args(w)
     w.set_defaults(func=cmd_serve_worker)

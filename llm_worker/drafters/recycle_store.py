@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 EMPTY = -1  # an entry of ``next`` never written
+RECYCLE_MAX_TENANTS = 16
+"""``RecycleStore``'s default bound on matrices kept (``specdraft serve worker --recycle-max-tenants``)."""
 
 
 @dataclass
@@ -69,7 +71,7 @@ class RecycleStore:
     next request drafts from an empty matrix.
     """
 
-    def __init__(self, max_tenants: int = 16, k: int = 8) -> None:
+    def __init__(self, max_tenants: int = RECYCLE_MAX_TENANTS, k: int = 8) -> None:
         if max_tenants < 1 or k < 1:
             raise ValueError(f"a recycling store needs max_tenants >= 1 and k >= 1, not {max_tenants}, {k}")
         self.max_tenants = max_tenants

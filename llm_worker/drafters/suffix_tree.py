@@ -27,6 +27,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+SUFFIX_MAX_TOKENS = 1 << 18
+"""``SuffixStore``'s default bound on stored tokens, over all tenants (262 144;
+``specdraft serve worker --suffix-max-tokens``)."""
 UNEXPANDED = -2
 """``SuffixTrie._first`` of a node whose children are not built (its count is 1)."""
 _STRIDE = 1 << 32  # child key: parent * _STRIDE + token
@@ -309,7 +312,7 @@ class SuffixStore:
     sequences are all gone is forgotten. ``lock`` guards it: every spelling of the mode (each its
     own drafter and lock) shares the store."""
 
-    def __init__(self, max_tokens: int = 1 << 18, depth: int = 32, prompt_tokens: int = 32) -> None:
+    def __init__(self, max_tokens: int = SUFFIX_MAX_TOKENS, depth: int = 32, prompt_tokens: int = 32) -> None:
         """``prompt_tokens``: how many of a finished request's last prompt tokens are kept before
         its output (what the output answered: a repeated question then matches and drafts its
         answer from the first token); -1: the whole prompt."""
