@@ -38,7 +38,7 @@ from datastore_svc.dense import (
     DenseStats,
     merge_dense,
 )
-from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
+from datastore_svc.protocols import DenseAnswer, DenseDescription, RetrievalTimes, SparseAnswer
 from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge, well_formed
 from specdraft.security import ClientSecurity
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
@@ -96,6 +96,8 @@ class RemoteDatastore:
         self._stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in self._channels]
         self.failures: Counter[str] = Counter()  # per address: calls that failed or timed out
         self.off_version: Counter[str] = Counter()  # per address: answers from another version
+        self.times = RetrievalTimes()
+        """How long each fan-out took as the worker waited (benchmarks report its percentiles)."""
         self._reported: set[tuple[str, str]] = set()  # (address, version) already logged
         self.info_timeout = 0.5
         self.recheck_seconds = 5.0
@@ -117,7 +119,8 @@ class RemoteDatastore:
             max_length=cfg.max_length,
             version=version,
         )
-        answers = self._gather(request)
+        with self.times.timed("sparse"):
+            answers = self._gather(request)
         if not answers:
             return SparseAnswer(Retrieval((), 0, 0, 0), version)
         chosen = self._chosen(answers, version)
@@ -208,7 +211,8 @@ class RemoteDatastore:
             max_length=cfg.max_length,
             version=version,
         )
-        answers = self._gather(request)
+        with self.times.timed("dense"):
+            answers = self._gather(request)
         if not answers:
             return DenseAnswer(NO_DENSE, version)
         chosen = self._chosen(answers, version)

@@ -9,6 +9,11 @@ to it.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -64,3 +69,46 @@ class DenseRetriever(Protocol):
 class Datastore(SparseRetriever, DenseRetriever, Protocol):
     """What a worker drafts from: both kinds of retrieval (a version without a dense index
     describes itself with ``DenseDescription(None, "")``)."""
+
+
+class RetrievalTimes:
+    """Wall times of a datastore's retrievals as the worker waited for them, per kind
+    (``"sparse"``, ``"dense"``): the last ``keep`` of each, for percentiles in benchmarks.
+    Over gRPC a time is the whole fan-out (every shard asked, the answers merged).
+
+    Example: after ``with times.timed("sparse"): ...`` three times, ``times.summary()`` →
+    ``{"sparse": {"calls": 3, "p50_ms": 0.21, "p90_ms": 0.4, "p99_ms": 0.52}}``.
+    """
+
+    def __init__(self, keep: int = 100_000) -> None:
+        self._seconds: dict[str, deque[float]] = {}
+        self._calls: dict[str, int] = {}
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def timed(self, kind: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - began
+            with self._lock:
+                self._seconds.setdefault(kind, deque(maxlen=self._keep)).append(spent)
+                self._calls[kind] = self._calls.get(kind, 0) + 1
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per kind: calls made, and the 50th, 90th and 99th percentiles of the kept times in ms."""
+        with self._lock:
+            kept = {kind: np.array(seconds) for kind, seconds in self._seconds.items() if seconds}
+            calls = dict(self._calls)
+        out = {}
+        for kind, seconds in sorted(kept.items()):
+            p50, p90, p99 = np.percentile(seconds * 1000, [50, 90, 99])
+            out[kind] = {
+                "calls": calls[kind],
+                "p50_ms": round(float(p50), 3),
+                "p90_ms": round(float(p90), 3),
+                "p99_ms": round(float(p99), 3),
+            }
+        return out

@@ -60,7 +60,7 @@ from datastore_svc.manifest import (
     TokenizerIdentity,
     check_manifest,
 )
-from datastore_svc.protocols import DenseAnswer, DenseDescription, SparseAnswer
+from datastore_svc.protocols import DenseAnswer, DenseDescription, RetrievalTimes, SparseAnswer
 from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
 from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
 from specdraft.common import file_lock, fsync_path, fsync_tree, sha256_file, temp_sibling
@@ -590,9 +590,12 @@ class LocalRetriever:
 
     def __init__(self, version: DatastoreVersion) -> None:
         self.current = version
+        self.times = RetrievalTimes()
+        """How long each retrieval took, in this process (benchmarks report its percentiles)."""
 
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> SparseAnswer:
-        return SparseAnswer(self.current.retrieve(context, cfg), self.current.version)
+        with self.times.timed("sparse"):
+            return SparseAnswer(self.current.retrieve(context, cfg), self.current.version)
 
     def current_version(self) -> str:
         return self.current.version
@@ -606,4 +609,5 @@ class LocalRetriever:
     def retrieve_dense(
         self, query: np.ndarray, next_token: int, cfg: DenseConfig, version: str = ""
     ) -> DenseAnswer:
-        return DenseAnswer(self.current.retrieve_dense(query, next_token, cfg), self.current.version)
+        with self.times.timed("dense"):
+            return DenseAnswer(self.current.retrieve_dense(query, next_token, cfg), self.current.version)

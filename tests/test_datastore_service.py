@@ -111,6 +111,8 @@ def test_remote_retrieval_equals_in_process(shards: list[ShardThread], versions:
         assert sorted((c.tokens, c.counts) for c in got.candidates) == sorted(
             (c.tokens, c.counts) for c in want.candidates
         )
+    timed = remote.times.summary()["sparse"]  # each fan-out as the worker waited for it
+    assert timed["calls"] == 20 and 0 < timed["p50_ms"] <= timed["p90_ms"] <= timed["p99_ms"]
     info = remote.info()
     assert [(i.shard, i.shards, i.version) for i in info] == [(0, 2, "v1"), (1, 2, "v1")]
     with grpc.insecure_channel(shards[0].address) as channel:

@@ -315,6 +315,18 @@ def test_cli_dense_build_rebuild_eval_generate(tiny_dir: Path, tmp_path: Path, c
     assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
     assert out["datastore_version"] == "a"
 
+    questions, report_path = tmp_path / "q.jsonl", tmp_path / "bench.json"
+    question = {"question_id": "q", "category": "code", "turns": ["def add_3(x, y):"]}
+    questions.write_text(json.dumps(question) + "\n")
+    bench_modes = ["bench", "--model", str(tiny_dir), "--datastore", str(tmp_path / "a"), "--questions"]
+    assert main([*bench_modes, str(questions), "--modes", "rest:ctx=0,dresd", "--max-new-tokens", "8",
+                 "--json-out", str(report_path)]) == 0  # fmt: skip
+    latency = json.loads(report_path.read_text())["datastore_latency_ms"]
+    assert latency["where"] == "in-process"
+    assert latency["sparse"]["calls"] > 0 and latency["dense"]["calls"] > 0
+    assert 0 < latency["dense"]["p50_ms"] <= latency["dense"]["p90_ms"] <= latency["dense"]["p99_ms"]
+    assert "datastore retrieval (in-process): dense" in capsys.readouterr().out
+
     assert main(["datastore", "build", "--from", str(tmp_path / "a"), "--out", str(tmp_path / "x")]) == 2
     assert "add --dense" in capsys.readouterr().err
     assert main([*rebuild[:-4], "--corpus", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "y")]) == 2

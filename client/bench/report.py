@@ -54,6 +54,15 @@ def render_table(report: dict[str, Any], console: Console) -> None:
             )
         per_cat.add_row(mode, *cells)
     console.print(per_cat)
+    latency = report.get("datastore_latency_ms")
+    if latency:
+        parts = [
+            f"{kind} {v['calls']} calls, p50 {v['p50_ms']:.2f} / p90 {v['p90_ms']:.2f}"
+            f" / p99 {v['p99_ms']:.2f} ms"
+            for kind, v in latency.items()
+            if kind != "where"
+        ]
+        console.print(f"datastore retrieval ({latency['where']}): " + ("; ".join(parts) or "no calls"))
     mach = report["machine"]
     console.print(
         f"machine: {mach['cpu']}, {mach['cores']} cores, "
