@@ -71,7 +71,7 @@ def _add_version_args(p: argparse.ArgumentParser, derive: bool) -> None:
         "--index",
         default="auto",
         choices=["auto", "flat", "hnsw", "ivf", "ivfpq"],
-        help="auto = exact search (flat) up to 200k keys per shard, inverted lists (ivf) above",
+        help="auto = exact search (flat) up to 50k keys per shard, inverted lists (ivf) above",
     )
     dn.add_argument("--hnsw-m", type=positive_int, default=32)
     dn.add_argument("--ivf-lists", type=int, default=0, help="0 = about 4 sqrt(keys)")
