@@ -514,7 +514,7 @@ class Engine:
             if len(draft) and planner is not None:
                 with rt.lock:
                     planner.observe(step.decided, step.result, policy.confidence)
-                    drafter.observe(step.decided, step.result)
+                    drafter.observe(step.decided, step.result, request_state)
             yield StepOutput(emitted)
 
         if drafter.proposes:

@@ -373,3 +373,15 @@ class ArtifactNeeds:
     @cached_property
     def declared(self) -> frozenset[ArtifactKey[Any]]:
         return frozenset(self.keys)
+
+    @staticmethod
+    def union(needs: Iterable[ArtifactNeeds]) -> ArtifactNeeds:
+        """Everything any of ``needs`` declares (query heads in first-seen order, each once): what
+        a drafter that runs several others reads. Example: hidden layers {1} and {1, 3} → {1, 3}."""
+        every = list(needs)
+        return ArtifactNeeds(
+            hidden_layers=frozenset().union(*(n.hidden_layers for n in every)),
+            query_heads=tuple(dict.fromkeys(h for n in every for h in n.query_heads)),
+            kv_layers=frozenset().union(*(n.kv_layers for n in every)),
+            extra=frozenset().union(*(n.extra for n in every)),
+        )

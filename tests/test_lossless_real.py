@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 72  # every answer runs this long: an end-of-sequence token does not stop the greedy test
 # every mode needing no datastore, "ar" aside
-MODEL_MODES = ["pld", "pld+h", "pld+a", "glide", "glide+cape", "edd", "edd+pct", "suffix", "recycle"]
+MODEL_MODES = ["pld", "pld+h", "pld+a", "glide", "glide+cape", "edd", "edd+pct", "suffix", "recycle", "fuse"]
 VARIANTS = ["glide:vanilla=1"]  # options of those modes that run another network (float32 only)
 DATASTORE_MODES = ["rest", "rest-batch", "dresd", "dresd-batch"]
 

@@ -1,6 +1,6 @@
 """Drafting modes. Importing this package registers every built-in mode in ``DRAFTERS``."""
 
-from llm_worker.drafters import dresd, edd, glide, pld, pld_plus, recycle, rest, suffix  # noqa: F401  (registration side effect)
+from llm_worker.drafters import dresd, edd, fuse, glide, pld, pld_plus, recycle, rest, suffix  # noqa: F401  (registration side effect)
 from llm_worker.drafters.base import (
     DRAFTERS,
     DraftContext,

@@ -174,9 +174,10 @@ class Drafter(ABC):
         rows of one batched forward (``llm_worker.verify.steps``).
         """
 
-    def observe(self, tree: DraftTree, result: VerifyResult) -> None:  # noqa: B027 - optional hook
+    def observe(self, tree: DraftTree, result: VerifyResult, state: RequestState) -> None:  # noqa: B027 - optional hook
         """Feedback after verification (default: none). ``tree`` is what the verdict is about:
-        the proposed tree, or a batch's rows merged into their trie."""
+        the part of the proposal the planner kept, or a batch's rows merged into their trie;
+        ``state``: the request's, as ``propose`` saw it."""
 
     candidates: int = 0
     """How many of the target's likeliest next tokens this drafter wants to see at every row of
