@@ -93,6 +93,29 @@ def test_missing_model_dir_is_a_clear_error(tmp_path: Path, capsys: pytest.Captu
     assert code == 2 and "not a Hugging Face model directory" in err
 
 
+def test_bench_reports_fuse_accepted_tokens_by_source(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mode that drafts from several sources reports, per source, the accepted tokens it had
+    proposed over the timed run (warm-up excluded): each accepted token counts for at least one."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        json.dumps({"question_id": "a", "category": "copy", "turns": ["Repeat: a b c a b c", "Again"]}) + "\n"
+    )
+    out_json = tmp_path / "r.json"
+    code, out, _ = run(
+        capsys, "bench", "--model", str(tiny_dir), "--questions", str(questions), "--modes", "fuse",
+        "--max-new-tokens", "64", "--json-out", str(out_json),
+    )  # fmt: skip
+    assert code == 0
+    fused = json.loads(out_json.read_text())["modes"]["fuse"]
+    assert fused["identical_to_ar"] and fused["acceptance_rate"]
+    by_source = fused["accepted_by_source"]  # a source's count is at most every accepted token
+    assert by_source and set(by_source) <= {"pld", "suffix", "recycle"}
+    assert all(v["tokens"] > 0 and 0 < v["share"] <= 1 for v in by_source.values()), by_source
+    assert "fuse: accepted draft tokens by source:" in out
+
+
 def test_bench_json_table_and_plot(
     tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -187,3 +187,19 @@ def test_a_repeated_request_drafts_from_the_first_answer() -> None:
     assert first.token_ids == again.token_ids == other.token_ids == ar
     assert again.stats.tau > 2 * first.stats.tau and again.stats.tau > 4
     assert other.stats.tau < again.stats.tau / 2  # another tenant learned nothing from it
+
+
+def test_benchmark_modes_learn_only_from_their_own_outputs() -> None:
+    """``specdraft bench`` runs every mode on the same questions: each mode is its own tenant, so
+    ``suffix`` never drafts the answer that ``fuse`` (which shares the store) gave just before."""
+    from client.bench.runners import engine_runner
+
+    target = tiny_target()
+    engine = engine_for(target, CPU_LIKE_CURVE)
+    prompt = list(prompts(target.info.vocab_size)[1])
+    fused = engine_runner(engine, "fuse")(prompt, 64)
+    alone = engine_runner(engine, "suffix")(prompt, 64)
+    again = engine_runner(engine, "suffix")(prompt, 64)
+    assert fused.token_ids == alone.token_ids == again.token_ids
+    taus = [len(o.token_ids) / o.target_forwards for o in (alone, again)]
+    assert taus[1] > 2 * taus[0]  # its own first answer drafts the second, fuse's did not draft the first

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from client.bench.runners import bench_tenant
 from llm_worker.batching import BatchingConfig
 from llm_worker.engine import Engine, GenerationRequest, StepOutput
 from llm_worker.results import GenerationResult
@@ -60,7 +61,8 @@ def run_concurrency(
             first = None
             result = None
             try:
-                req = GenerationRequest(tuple(prompts[index]), max_new_tokens, mode)
+                tenant = bench_tenant(mode)
+                req = GenerationRequest(tuple(prompts[index]), max_new_tokens, mode, tenant=tenant)
                 for item in batched.stream(req):
                     if first is None and isinstance(item, StepOutput):
                         first = time.perf_counter() - began

@@ -54,6 +54,15 @@ def render_table(report: dict[str, Any], console: Console) -> None:
             )
         per_cat.add_row(mode, *cells)
     console.print(per_cat)
+    for mode, m in modes.items():
+        by_source = m.get("accepted_by_source")
+        if by_source:
+            parts = [
+                f"{source} {v['tokens']} ({_fmt(v['share'], 2)} of accepted,"
+                f" {_fmt(v['per_forward'], 2)} a forward)"
+                for source, v in by_source.items()
+            ]
+            console.print(f"{mode}: accepted draft tokens by source: " + "; ".join(parts))
     latency = report.get("datastore_latency_ms")
     if latency:
         parts = [

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import platform
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,9 @@ class BenchResult:
     machine: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     concurrency: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # mode -> c -> figures
+    by_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per mode that drafts from several sources (``fuse``): accepted draft tokens each source had
+    proposed over the timed run (a token several proposed counts for each)."""
 
     def to_json(self) -> dict[str, Any]:
         modes: dict[str, Any] = {}
@@ -139,6 +143,16 @@ class BenchResult:
             }
             if mode in self.concurrency:
                 entry["concurrency"] = self.concurrency[mode]
+            if mode in self.by_source:
+                tally = self.overall[mode]
+                entry["accepted_by_source"] = {
+                    source: {
+                        "tokens": n,
+                        "share": round(n / tally.accepted, 3) if tally.accepted else None,
+                        "per_forward": round(n / tally.forwards, 3) if tally.forwards else None,
+                    }
+                    for source, n in sorted(self.by_source[mode].items(), key=lambda kv: -kv[1])
+                }
             modes[mode] = entry
         return {"modes": modes, "machine": self.machine, "config": self.config}
 
@@ -227,6 +241,19 @@ def _limits(result: BenchResult, engines: Mapping[str, Engine]) -> None:
     machine["ar_fraction_of_bandwidth_limit"] = primary.get("ar_fraction_of_bandwidth_limit")
 
 
+def source_counts(engine: Engine, modes: Sequence[str]) -> dict[str, Counter[str]]:
+    """Per mode whose drafter counts accepted tokens by source (``fuse``'s ``accepted``): a copy
+    of its counts so far."""
+    out = {}
+    for mode in modes:
+        if mode.startswith("hf-"):
+            continue
+        accepted = getattr(engine.runtime(mode).drafter, "accepted", None)
+        if isinstance(accepted, Counter):
+            out[mode] = Counter(accepted)
+    return out
+
+
 def run_bench(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -259,6 +286,7 @@ def run_bench(
     result.machine["dtypes"] = {e.target.info.dtype: dtype_info(e, bandwidth) for e in engines.values()}
     result.config = {"max_new_tokens": max_new_tokens, "questions": len(questions), "modes": all_modes}
     _warm_up(runners, tokenizer)
+    counted_before = source_counts(engine, modes)  # the warm-up's drafts are not the run's
     for mode in all_modes:
         result.overall[mode] = Tally()
     same_as_primary_ar = {suffix: [0, 0] for suffix in engines if suffix}  # [identical, outputs]
@@ -284,6 +312,8 @@ def run_bench(
         if progress is not None:
             progress(f"[{qi + 1}/{len(questions)}] {question.question_id}")
     _limits(result, engines)
+    for mode, after in source_counts(engine, modes).items():
+        result.by_source[mode] = dict(after - counted_before.get(mode, Counter()))
     primary = engine.target.info.dtype
     result.machine["dtype_comparison"] = {
         suffix[1:]: {f"ar_outputs_identical_to_{primary}_ar": same, "outputs": total}

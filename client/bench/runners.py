@@ -40,9 +40,17 @@ class RunOutcome:
 Runner = Callable[[list[int], int], RunOutcome]
 
 
+def bench_tenant(mode: str) -> str:
+    """The tenant a benchmark's requests of ``mode`` run as: modes that learn from what the
+    service said (``suffix``, ``recycle``, ``fuse``) each learn only from their own outputs, never
+    from another mode's answer to the same question, which would be the very text they then draft."""
+    return f"bench/{mode}"
+
+
 def engine_runner(engine: Engine, mode: str) -> Runner:
     def run(prompt: list[int], max_new: int) -> RunOutcome:
-        res = engine.generate(GenerationRequest(tuple(prompt), max_new, mode, SamplingParams()))
+        request = GenerationRequest(tuple(prompt), max_new, mode, SamplingParams(), tenant=bench_tenant(mode))
+        res = engine.generate(request)
         s = res.stats
         return RunOutcome(
             res.token_ids,
