@@ -245,8 +245,9 @@ def test_needs_are_the_union_of_the_sources() -> None:
 def test_sources_by_default_and_by_name() -> None:
     target = tiny_target()
     bare = DRAFTERS.create("fuse", target)
-    assert isinstance(bare, FuseDrafter) and list(bare.sources) == ["pld", "suffix", "recycle"]
-    assert bare.candidates == 8  # recycle's
+    assert isinstance(bare, FuseDrafter) and list(bare.sources) == ["pld", "suffix"]
+    assert bare.candidates == 0  # recycle, the one source that wants candidates, joins when named
+    assert DRAFTERS.create("fuse:sources=pld.recycle", target).candidates == 8  # recycle's
     named = DRAFTERS.create("fuse:sources=suffix.pld", target)
     assert isinstance(named, FuseDrafter) and list(named.sources) == ["suffix", "pld"]
     resources = DraftResources()
@@ -298,7 +299,6 @@ def test_greedy_fuse_with_sparse_and_dense_datastores_equals_ar(tmp_path: Path) 
     assert isinstance(fused, FuseDrafter) and list(fused.sources) == [
         "pld",
         "suffix",
-        "recycle",
         "rest",
         "dresd",
     ]

@@ -1,7 +1,7 @@
 """``fuse``: one token tree from several drafters at once.
 
 Each step every source drafter (``sources=pld.suffix.recycle``; by default every one of ``pld``,
-``suffix``, ``recycle``, ``rest``, ``dresd`` this worker can run) proposes with the step's budget,
+``suffix``, ``rest``, ``dresd`` this worker can run) proposes with the step's budget,
 and their trees are merged into one trie (``fuse_trees``: the same token path is one node). A
 node's feature names who proposed it, so the planner learns each source's acceptance per depth
 and confidence, as it does for a single drafter, and prunes the fused tree by expected gain on
@@ -40,7 +40,10 @@ from llm_worker.model.target import TargetModel
 from llm_worker.types import NO_SOURCE, ArtifactNeeds, DraftBatch, DraftTree, Outcome, VerifyResult
 from specdraft.common import shorten
 
-DEFAULT_SOURCES = ("pld", "suffix", "recycle", "rest", "dresd")
+DEFAULT_SOURCES = ("pld", "suffix", "rest", "dresd")
+"""Without ``recycle``, which joins only when named: on 16 open-ended held-out prompts (2-core
+EPYC) its wide trees took the fused mode from 1.01-1.04x ``ar`` to 0.67x
+(docs/measurements/2026-11-27-fuse-and-ivf.md)."""
 """Tried in this order when ``sources=`` is not given; those this worker cannot run (``rest``
 without a datastore, ``dresd`` without a dense index) are left out. Learned drafters cost forwards,
 so they join only when named."""
