@@ -96,7 +96,7 @@ class RemoteDatastore:
         self._stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in self._channels]
         self.failures: Counter[str] = Counter()  # per address: calls that failed or timed out
         self.off_version: Counter[str] = Counter()  # per address: answers from another version
-        self.times = RetrievalTimes()
+        self.times = RetrievalTimes("grpc")
         """How long each fan-out took as the worker waited (benchmarks report its percentiles)."""
         self._reported: set[tuple[str, str]] = set()  # (address, version) already logged
         self.info_timeout = 0.5
@@ -121,13 +121,13 @@ class RemoteDatastore:
         )
         with self.times.timed("sparse"):
             answers = self._gather(request)
-        if not answers:
-            return SparseAnswer(Retrieval((), 0, 0, 0), version)
-        chosen = self._chosen(answers, version)
-        if not version:  # an unpinned answer says what the shards serve now
-            self._current = chosen
-        results = [sparse_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
-        return SparseAnswer(merge(results, cfg.max_nodes, cfg.max_candidates), chosen)
+            if not answers:
+                return SparseAnswer(Retrieval((), 0, 0, 0), version)
+            chosen = self._chosen(answers, version)
+            if not version:  # an unpinned answer says what the shards serve now
+                self._current = chosen
+            results = [sparse_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
+            return SparseAnswer(merge(results, cfg.max_nodes, cfg.max_candidates), chosen)
 
     def _gather(
         self, request: datastore_pb2.RetrieveRequest
@@ -213,11 +213,11 @@ class RemoteDatastore:
         )
         with self.times.timed("dense"):
             answers = self._gather(request)
-        if not answers:
-            return DenseAnswer(NO_DENSE, version)
-        chosen = self._chosen(answers, version)
-        results = [dense_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
-        return DenseAnswer(merge_dense(results, cfg.max_candidates), chosen)
+            if not answers:
+                return DenseAnswer(NO_DENSE, version)
+            chosen = self._chosen(answers, version)
+            results = [dense_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
+            return DenseAnswer(merge_dense(results, cfg.max_candidates), chosen)
 
     def current_version(self) -> str:
         """The version most shards serve (asked at most every ``recheck_seconds``; "" = none answers)."""

@@ -14,12 +14,13 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from datastore_svc.dense import DenseConfig, DenseRetrieval, DenseStats
 from datastore_svc.retrieval import Retrieval, RetrievalConfig
+from specdraft.common import percentile
 
 
 class SparseAnswer(NamedTuple):
@@ -74,13 +75,15 @@ class Datastore(SparseRetriever, DenseRetriever, Protocol):
 class RetrievalTimes:
     """Wall times of a datastore's retrievals as the worker waited for them, per kind
     (``"sparse"``, ``"dense"``): the last ``keep`` of each, for percentiles in benchmarks.
-    Over gRPC a time is the whole fan-out (every shard asked, the answers merged).
+    ``where`` says how the worker reached the datastore: ``"in-process"``, or ``"grpc"``, where a
+    time is the whole fan-out (every shard asked, the answers merged).
 
     Example: after ``with times.timed("sparse"): ...`` three times, ``times.summary()`` →
-    ``{"sparse": {"calls": 3, "p50_ms": 0.21, "p90_ms": 0.4, "p99_ms": 0.52}}``.
+    ``{"where": "grpc", "sparse": {"calls": 3, "p50_ms": 0.21, "p90_ms": 0.4, "p99_ms": 0.52}}``.
     """
 
-    def __init__(self, keep: int = 100_000) -> None:
+    def __init__(self, where: str, keep: int = 100_000) -> None:
+        self.where = where
         self._seconds: dict[str, deque[float]] = {}
         self._calls: dict[str, int] = {}
         self._keep = keep
@@ -97,18 +100,18 @@ class RetrievalTimes:
                 self._seconds.setdefault(kind, deque(maxlen=self._keep)).append(spent)
                 self._calls[kind] = self._calls.get(kind, 0) + 1
 
-    def summary(self) -> dict[str, dict[str, float]]:
-        """Per kind: calls made, and the 50th, 90th and 99th percentiles of the kept times in ms."""
+    def summary(self) -> dict[str, Any]:
+        """``where``, and per kind: calls made and the 50th, 90th and 99th percentiles of the kept
+        times in ms (``specdraft.common.percentile``, the project's one definition)."""
         with self._lock:
-            kept = {kind: np.array(seconds) for kind, seconds in self._seconds.items() if seconds}
+            kept = {kind: [s * 1000 for s in seconds] for kind, seconds in self._seconds.items() if seconds}
             calls = dict(self._calls)
-        out = {}
-        for kind, seconds in sorted(kept.items()):
-            p50, p90, p99 = np.percentile(seconds * 1000, [50, 90, 99])
+        out: dict[str, Any] = {"where": self.where}
+        for kind, ms in sorted(kept.items()):
             out[kind] = {
                 "calls": calls[kind],
-                "p50_ms": round(float(p50), 3),
-                "p90_ms": round(float(p90), 3),
-                "p99_ms": round(float(p99), 3),
+                "p50_ms": round(percentile(ms, 0.5), 3),
+                "p90_ms": round(percentile(ms, 0.9), 3),
+                "p99_ms": round(percentile(ms, 0.99), 3),
             }
         return out

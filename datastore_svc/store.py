@@ -590,7 +590,7 @@ class LocalRetriever:
 
     def __init__(self, version: DatastoreVersion) -> None:
         self.current = version
-        self.times = RetrievalTimes()
+        self.times = RetrievalTimes("in-process")
         """How long each retrieval took, in this process (benchmarks report its percentiles)."""
 
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> SparseAnswer:

@@ -41,12 +41,11 @@ from llm_worker.types import NO_SOURCE, ArtifactNeeds, DraftBatch, DraftTree, Ou
 from specdraft.common import shorten
 
 DEFAULT_SOURCES = ("pld", "suffix", "rest", "dresd")
-"""Without ``recycle``, which joins only when named: on 16 open-ended held-out prompts (2-core
-EPYC) its wide trees took the fused mode from 1.01-1.04x ``ar`` to 0.67x
-(docs/measurements/2026-11-27-fuse-and-ivf.md)."""
 """Tried in this order when ``sources=`` is not given; those this worker cannot run (``rest``
 without a datastore, ``dresd`` without a dense index) are left out. Learned drafters cost forwards,
-so they join only when named."""
+so they join only when named, and so does ``recycle``: on 16 open-ended held-out prompts (2-core
+EPYC) its wide trees took the fused mode from 1.01-1.04x ``ar`` to 0.67x
+(docs/measurements/2026-11-27-fuse-and-ivf.md)."""
 
 
 def fused_feature(by_source: Mapping[str, str]) -> str:

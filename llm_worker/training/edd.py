@@ -33,7 +33,7 @@ from llm_worker.drafters.edd_net import (
 )
 from llm_worker.drafters.glide_net import rope_tables
 from llm_worker.training.features import Sequence_
-from llm_worker.training.trainer import LoopConfig, StepTrainer, pinned, target_argmax
+from llm_worker.training.trainer import LoopConfig, StepTrainer, on_device, pinned, target_argmax
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class EddTrainer(StepTrainer[EddExample]):
         return self._on_device(self._host_batch(items, generator))
 
     def _on_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: tensor.to(self.device, non_blocking=True) for name, tensor in host.items()}
+        return on_device(host, self.device)
 
     def _host_batch(
         self, items: list[EddExample], generator: torch.Generator | None

@@ -155,6 +155,11 @@ def pinned(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
     return {name: tensor.pin_memory() for name, tensor in tensors.items()}
 
 
+def on_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``tensors`` (a batch ``pinned`` on the host) copied to ``device``, without waiting for the copies."""
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in tensors.items()}
+
+
 def batches(examples: Sequence[HasTokens], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
     """Indices of ``examples`` packed into batches (similar lengths together, order shuffled)."""
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), rng.random()))
@@ -472,7 +477,7 @@ class GlideTrainer(StepTrainer[Example]):
         )
 
     def _on_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        t = {name: tensor.to(self.device, non_blocking=True) for name, tensor in host.items()}
+        t = on_device(host, self.device)
         t["x"] = self.embed[t.pop("tokens")]
         return t
 
