@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import cast
 
 from datastore_svc.protocols import Datastore
-from llm_worker.config import ModelConfig
+from llm_worker.config import EngineConfig, ModelConfig
 from llm_worker.drafters import DraftResources
 from llm_worker.drafters.recycle_store import RECYCLE_MAX_TENANTS, RecycleStore
 from llm_worker.drafters.suffix_tree import SUFFIX_MAX_TOKENS, SuffixStore
@@ -144,12 +144,13 @@ def build_resources(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> DraftRe
 
 
 def load_engine(
-    model: ModelConfig, resources: ResourceConfig | None = None
+    model: ModelConfig, resources: ResourceConfig | None = None, config: EngineConfig | None = None
 ) -> tuple[Engine, TargetModel, Tokenizer]:
-    """(engine, target, tokenizer): the model of ``model`` drafting from ``resources``."""
+    """(engine, target, tokenizer): the model of ``model`` drafting from ``resources``, its decode
+    loop configured by ``config`` (None: the defaults)."""
     target, tokenizer = load_model(model)
     return (
-        Engine(target, resources=build_resources(resources or ResourceConfig(), tokenizer)),
+        Engine(target, config, resources=build_resources(resources or ResourceConfig(), tokenizer)),
         target,
         tokenizer,
     )

@@ -340,6 +340,16 @@ class BatchSession(TargetModel):
         return self.inner.kv_buffers(state, layer)
 
     @property
+    def prefix_reuse(self) -> bool:
+        return self.inner.prefix_reuse
+
+    def export_kv(self, state: SequenceState, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.export_kv(state, start, stop)
+
+    def import_kv(self, state: SequenceState, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.inner.import_kv(state, keys, values)
+
+    @property
     def taps(self) -> frozenset[Tap]:
         return self.inner.taps
 

@@ -138,6 +138,11 @@ class EngineConfig:
     """Memory the drafters of the modes the engine keeps may hold together (learned drafters'
     networks, each counted once however many mode spellings share it); beyond it the least
     recently used modes' runtimes are dropped, as beyond ``engine.MAX_MODE_RUNTIMES`` of them."""
+    prefix_cache_bytes: int = 256 << 20
+    """Memory for the KV of prompt prefixes reused across requests (``llm_worker.prefix_cache``:
+    shared system prompts and chat histories are prefilled once); 0 turns the cache off."""
+    prefix_block_tokens: int = 32
+    """Tokens per block of the prefix cache: prefixes are reused in whole blocks."""
     prefill_chunk: int = 256
     """Prompt tokens per prefill forward. Bounds activation memory, and on the fast backend,
     whose attention scores every row against every key up to the chunk's end (masking, not

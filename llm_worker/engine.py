@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from llm_worker.logits import argmax
 from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.planner import ALONE, BatchLoad, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
+from llm_worker.prefix_cache import PrefixCache
 from llm_worker.results import GenerationResult, Provenance
 from llm_worker.sampling import SamplingNoise, warp_logits
 from llm_worker.speculation import Pricer, SpeculationPolicy
@@ -106,15 +107,33 @@ class _Artifacts:
                 continue
             found = out.artifacts[rec.key]
             values = found[rows[0] : rows[0] + m] if index is None else found.index_select(0, index)
-            buf = self.buffers.get(rec.key)
-            if buf is None or buf.shape[0] < self.length + m:
-                capacity = max(2 * self.length + m, 1024)
-                grown = torch.empty(capacity, *values.shape[1:], dtype=values.dtype, device=self.device)
-                if buf is not None:
-                    grown[: self.length] = buf[: self.length]
-                buf = self.buffers[rec.key] = grown
-            buf[self.length : self.length + m] = values
+            self._append(rec.key, values)
         self.length += m
+
+    def stored(self) -> list[ArtifactKey[Any]]:
+        """The keys kept for every committed position (what a prefix cache must carry)."""
+        return [rec.key for rec in self.recordings if not rec.keep_last]
+
+    def extend(self, recorded: Mapping[ArtifactKey[Any], torch.Tensor], m: int) -> None:
+        """Append ``m`` positions recorded elsewhere (a prefix cache's copies): key → [m, ...]."""
+        for key in self.stored():
+            self._append(key, recorded[key].to(self.device))
+        self.length += m
+
+    def rows(self, start: int, stop: int) -> dict[ArtifactKey[Any], torch.Tensor]:
+        """Copies of the kept keys' values at positions start .. stop - 1."""
+        return {key: self.buffers[key][start:stop].clone() for key in self.stored()}
+
+    def _append(self, key: ArtifactKey[Any], values: torch.Tensor) -> None:
+        m = int(values.shape[0])
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape[0] < self.length + m:
+            capacity = max(2 * self.length + m, 1024)
+            grown = torch.empty(capacity, *values.shape[1:], dtype=values.dtype, device=self.device)
+            if buf is not None:
+                grown[: self.length] = buf[: self.length]
+            buf = self.buffers[key] = grown
+        buf[self.length : self.length + m] = values
 
     def recorded(self, key: ArtifactKey[Any]) -> torch.Tensor:
         last = self.last.get(key)
@@ -206,10 +225,12 @@ class Engine:
         curve: CostCurve | None = None,
         resources: DraftResources | None = None,
         batching: BatchingConfig | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """``batching``: run every request's forwards through one scheduler thread, all active
         requests' new tokens in one forward (``llm_worker.batching``); None: each request runs
-        its own forwards in the thread that asks for its steps."""
+        its own forwards in the thread that asks for its steps. ``prefix_cache``: share another
+        engine's over the same target; None: a new one as ``config`` sizes it."""
         self.target = target
         self.config = config or EngineConfig()
         self.resources = resources or DraftResources()
@@ -228,6 +249,11 @@ class Engine:
         self._active_lock = threading.RLock()
         self._modes: OrderedDict[str, _ModeRuntime] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
+        if prefix_cache is None and self.config.prefix_cache_bytes > 0:
+            prefix_cache = PrefixCache(self.config.prefix_cache_bytes, self.config.prefix_block_tokens)
+        self.prefix_cache = prefix_cache
+        """KV of prompt prefixes reused across requests (``llm_worker.prefix_cache``); None: off.
+        Used only where the target's forward is batch-invariant (``TargetModel.prefix_reuse``)."""
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -408,6 +434,40 @@ class Engine:
         assert logits is not None
         return logits
 
+    @staticmethod
+    def _reuse_prefix(
+        cache: PrefixCache | None,
+        target: TargetModel,
+        state: SequenceState,
+        artifacts: _Artifacts,
+        req: GenerationRequest,
+    ) -> int:
+        """Copy the prompt's longest cached prefix into ``state``; the prompt tokens it covers."""
+        if cache is None:
+            return 0
+        hit = cache.lookup(req.tenant, req.prompt_ids, artifacts.stored())
+        if hit is None:
+            return 0
+        target.import_kv(state, hit.keys, hit.values)
+        artifacts.extend(hit.recorded, hit.tokens)
+        return hit.tokens
+
+    @staticmethod
+    def _store_prefix(
+        cache: PrefixCache,
+        target: TargetModel,
+        state: SequenceState,
+        artifacts: _Artifacts,
+        req: GenerationRequest,
+    ) -> None:
+        """Offer the prefilled prompt's blocks to the cache (it copies those it lacks)."""
+
+        def export(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, dict[Any, torch.Tensor]]:
+            keys, values = target.export_kv(state, start, stop)
+            return keys, values, artifacts.rows(start, stop)
+
+        cache.insert(req.tenant, req.prompt_ids, export, artifacts.stored())
+
     def _propose(
         self,
         rt: _ModeRuntime,
@@ -460,7 +520,12 @@ class Engine:
         state = target.start()
         artifacts = _Artifacts(target, state, needs)
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=artifacts.device)
-        logits = self._prefill(target, state, artifacts, prompt, needs, req.cancel)
+        cache = self.prefix_cache if target.prefix_reuse else None
+        cached = self._reuse_prefix(cache, target, state, artifacts, req)
+        logits = self._prefill(target, state, artifacts, prompt[cached:], needs, req.cancel)
+        if cache is not None:
+            self._store_prefix(cache, target, state, artifacts, req)
+        stats.cached_prompt_tokens = cached
         first = (
             argmax(logits)
             if sampling.greedy

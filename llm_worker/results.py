@@ -98,6 +98,7 @@ def to_response(
         verify_seconds=st.verify_seconds,
         seconds=st.seconds,
         tokens_per_second=st.tokens_per_second,
+        cached_prompt_tokens=st.cached_prompt_tokens,
     )
     spans = [
         common_pb2.CopiedSpan(

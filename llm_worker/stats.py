@@ -19,6 +19,7 @@ class GenerationStats:
     target_forwards: int = 0
     drafted_tokens: int = 0  # draft tokens sent to verification
     gated_steps: int = 0  # steps that did not draft because drafting had not paid (``DraftGate``)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV the prefix cache supplied (not prefilled)
     accepted_tokens: int = 0  # of those, accepted
     draft_seconds: float = 0.0  # proposing and planning drafts
     verify_seconds: float = 0.0  # target forwards (prefill included) and accept / reject
@@ -75,6 +76,7 @@ class GenerationStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "drafted_tokens": self.drafted_tokens,
             "gated_steps": self.gated_steps,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "accepted_tokens": self.accepted_tokens,
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),

@@ -14,6 +14,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from client.bench.runners import bench_tenant
@@ -21,6 +22,9 @@ from llm_worker.batching import BatchingConfig
 from llm_worker.engine import Engine, GenerationRequest, StepOutput
 from llm_worker.results import GenerationResult
 from specdraft.common import percentile
+
+NO_PREFIX_CACHE = " (no prefix cache)"
+"""The suffix of a mode's label in a concurrency run without the prefix cache."""
 
 
 def run_concurrency(
@@ -31,12 +35,15 @@ def run_concurrency(
     concurrency: int,
     max_new_tokens: int,
     batching: BatchingConfig | None = None,
+    prefix_cache: bool = True,
 ) -> dict[str, Any]:
     """One mode at one concurrency: c users through a fresh scheduler over ``engine``'s target
-    (its cost curve and drafting resources). ``references``: ``ar``'s outputs for ``prompts``."""
+    (its cost curve and drafting resources), with an empty prefix cache as ``engine``'s config
+    sizes it (``prefix_cache`` False: none). ``references``: ``ar``'s outputs for ``prompts``."""
+    config = engine.config if prefix_cache else replace(engine.config, prefix_cache_bytes=0)
     batched = Engine(
         engine.target,
-        engine.config,
+        config,
         curve=engine.cost_curve,
         resources=engine.resources,
         batching=batching or BatchingConfig(),
@@ -47,11 +54,11 @@ def run_concurrency(
     latencies: list[float] = []
     ttfts: list[float] = []
     outputs: dict[int, list[int]] = {}
-    steps = drafted = tokens = 0
+    steps = drafted = tokens = cached = 0
     errors: list[BaseException] = []
 
     def user() -> None:
-        nonlocal steps, drafted, tokens
+        nonlocal steps, drafted, tokens, cached
         while True:
             with lock:
                 if not queue or errors:
@@ -80,6 +87,7 @@ def run_concurrency(
                 steps += result.stats.target_forwards
                 drafted += result.stats.drafted_tokens
                 tokens += len(result.token_ids)
+                cached += result.stats.cached_prompt_tokens
 
     scheduler = batched.scheduler
     forwards0, requests0 = scheduler.forwards, scheduler.requests
@@ -109,6 +117,8 @@ def run_concurrency(
         "identical_outputs": identical,
         "outputs": len(outputs),
         "new_tokens": tokens,
+        "prompt_tokens": sum(len(prompts[i]) for i in outputs),
+        "cached_prompt_tokens": cached,  # of those, supplied by the prefix cache
         "seconds": round(seconds, 3),
         "mean_latency_seconds": round(statistics.fmean(latencies), 3) if latencies else 0.0,
     }
@@ -122,17 +132,24 @@ def run_concurrency_levels(
     levels: Sequence[int],
     max_new_tokens: int,
     progress: Callable[[str], None] | None = None,
+    without_prefix_cache: bool = False,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """mode -> str(c) -> ``run_concurrency``'s figures. Levels run in the order given, modes
-    interleaved within each level (noise falls on all modes alike)."""
-    out: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in modes}
+    interleaved within each level (noise falls on all modes alike). ``without_prefix_cache``:
+    every mode also without the prefix cache, reported as ``MODE` + ``NO_PREFIX_CACHE``."""
+    runs = [(m, m, True) for m in modes]
+    if without_prefix_cache:
+        runs += [(m + NO_PREFIX_CACHE, m, False) for m in modes]
+    out: dict[str, dict[str, dict[str, Any]]] = {label: {} for label, _, _ in runs}
     for c in levels:
-        for mode in modes:
-            figures = run_concurrency(engine, prompts, references, mode, c, max_new_tokens)
-            out[mode][str(c)] = figures
+        for label, mode, cached in runs:
+            figures = run_concurrency(
+                engine, prompts, references, mode, c, max_new_tokens, prefix_cache=cached
+            )
+            out[label][str(c)] = figures
             if progress is not None:
                 progress(
-                    f"concurrency {c} {mode}: {figures['aggregate_tokens_per_second']} tokens/s, "
+                    f"concurrency {c} {label}: {figures['aggregate_tokens_per_second']} tokens/s, "
                     f"batch {figures['mean_batch_size']}"
                 )
     return out

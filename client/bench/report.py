@@ -102,7 +102,12 @@ def render_table(report: dict[str, Any], console: Console) -> None:
 def render_concurrency(report: dict[str, Any], console: Console) -> None:
     """The ``--concurrency`` runs: per mode and level, aggregate tokens/s (and × the same mode at
     the lowest level), latency, requests per forward, draft tokens per request step."""
-    rows = [(mode, m["concurrency"]) for mode, m in report["modes"].items() if "concurrency" in m]
+    rows = [
+        (mode + label, m[key])
+        for mode, m in report["modes"].items()
+        for key, label in (("concurrency", ""), ("concurrency_no_prefix_cache", " (no prefix cache)"))
+        if key in m
+    ]
     if not rows:
         return
     table = Table(title="under load: one batch scheduler, c closed-loop users", title_justify="left")

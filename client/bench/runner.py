@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from client.bench.concurrency import NO_PREFIX_CACHE
 from client.bench.runners import Runner, RunOutcome, make_runners
 from client.bench.suite import Question
 from llm_worker.chat import chat_prompt_ids
@@ -143,6 +144,8 @@ class BenchResult:
             }
             if mode in self.concurrency:
                 entry["concurrency"] = self.concurrency[mode]
+            if mode + NO_PREFIX_CACHE in self.concurrency:
+                entry["concurrency_no_prefix_cache"] = self.concurrency[mode + NO_PREFIX_CACHE]
             if mode in self.by_source:
                 tally = self.overall[mode]
                 entry["accepted_by_source"] = {
@@ -263,10 +266,12 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     others: Sequence[Engine] = (),
     concurrency: Sequence[int] = (),
+    without_prefix_cache: bool = False,
 ) -> BenchResult:
     """``concurrency``: after the interleaved run, every engine mode again at each of these
     concurrencies through the worker's batch scheduler (``client.bench.concurrency``) on the
-    questions' first turns, compared with ``ar``'s first-turn outputs of the run."""
+    questions' first turns, compared with ``ar``'s first-turn outputs of the run;
+    ``without_prefix_cache``: each also without the prefix cache."""
     modes = list(dict.fromkeys(["ar", *modes]))  # ar is the reference: always run, always first in reports
     runners = make_runners(engine, modes)
     engines = {"": engine}
@@ -322,11 +327,18 @@ def run_bench(
     if concurrency:
         from client.bench.concurrency import run_concurrency_levels
 
-        prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+        prompts = [chat_prompt_ids(tokenizer, q.messages()) for q in questions]
         for suffix, other in engines.items():
             own = [m for m in modes if not m.startswith("hf-")]
             levels = run_concurrency_levels(
-                other, prompts, first_turns[suffix], own, concurrency, max_new_tokens, progress
+                other,
+                prompts,
+                first_turns[suffix],
+                own,
+                concurrency,
+                max_new_tokens,
+                progress,
+                without_prefix_cache,
             )
             for mode, by_level in levels.items():
                 result.concurrency[mode + suffix] = by_level
@@ -335,7 +347,7 @@ def run_bench(
 
 
 def run_turns(runner: Runner, tokenizer: Tokenizer, question: Question, max_new: int) -> list[RunOutcome]:
-    messages: list[dict[str, str]] = []
+    messages = question.messages(0)  # the system message, if any
     outcomes = []
     for turn in question.turns:
         messages.append({"role": "user", "content": turn})

@@ -70,6 +70,14 @@ class Question:
     """Task category, one of ``CATEGORIES`` for the built-in suite."""
     turns: tuple[str, ...]
     """User messages, first to last; never empty."""
+    system: str = ""
+    """A system message before the first turn ("" = the chat template's own default)."""
+
+    def messages(self, turns: int = 1) -> list[dict[str, str]]:
+        """The chat of the first ``turns`` user turns, without answers (the system message first):
+        what the first turn sends, for ``turns = 1``."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": "user", "content": t} for t in self.turns[:turns]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,6 +592,20 @@ by other users: word for word (``repeated``), reworded a little (``near-repeated
 by a second turn that restates the answer (``follow-up``)."""
 
 
+SHARED_PREFIX_WORKLOAD: Final = Path(__file__).parent / "workloads" / "shared-prefix.json"
+"""The ``shared-prefix`` suite: 16 customer questions to one shop's support assistant, whose
+~550-token system prompt (the shop's facts) every question shares, as production chat traffic
+shares long system prompts. Written for this suite; no corpus text."""
+
+
+def _shared_prefix(per_category: int) -> list[Question]:
+    """The ``shared-prefix`` suite: the first ``4 * per_category`` of its questions (all 16 at
+    the default 4), each one turn after the shared system prompt."""
+    data = json.loads(SHARED_PREFIX_WORKLOAD.read_text(encoding="utf-8"))
+    questions = data["questions"][: 4 * per_category]
+    return [Question(f"sp-{i}", "shared-system", (q,), data["system"]) for i, q in enumerate(questions)]
+
+
 def _repeated(per_category: int) -> list[Question]:
     """The ``repeated`` suite: the first ``per_category`` questions of each of its categories
     (``first``, ``repeated``, ``near-repeated``, ``follow-up``), in the file's order, which asks
@@ -599,7 +621,7 @@ def _repeated(per_category: int) -> list[Question]:
 
 
 _SUITES: Final[Mapping[str, Callable[[int], list[Question]]]] = MappingProxyType(
-    {"input-guided": _input_guided, "repeated": _repeated}
+    {"input-guided": _input_guided, "repeated": _repeated, "shared-prefix": _shared_prefix}
 )
 """Built-in suites by name."""
 
@@ -613,7 +635,8 @@ def builtin_suite(name: str = "input-guided", per_category: int = 4) -> list[Que
     """A built-in suite: ``input-guided`` is generated from the standard library of the running
     Python, its questions interleaving categories (q0 = first summarization, q1 = first
     code-editing, ...), so the first ``len(CATEGORIES)`` questions (``--limit 5``) cover every
-    category once; ``repeated`` is a committed workload of questions asked again (``_repeated``).
+    category once; ``repeated`` is a committed workload of questions asked again (``_repeated``);
+    ``shared-prefix`` asks questions after one long system prompt (``_shared_prefix``).
     Raises ValueError for an unknown name, a negative count, or a count this Python cannot supply.
     """
     if name not in _SUITES:
@@ -649,7 +672,8 @@ def parse_question(record: object, where: str, line_number: int) -> Question:
 
     Accepts ``{"question_id", "category", "turns": [str, ...]}`` (Spec-Bench; ``question_id`` may
     be an int, and defaults to the line number; ``category`` defaults to ``"default"``) and
-    ``{"prompt": str}`` (one turn, category ``"default"``, id = line number). Extra keys are ignored.
+    ``{"prompt": str}`` (one turn, category ``"default"``, id = line number), either with an
+    optional ``"system"`` message. Extra keys are ignored.
     """
     if not isinstance(record, dict):
         raise _field_error(where, f"expected a JSON object, got {type(record).__name__}")
@@ -670,7 +694,10 @@ def parse_question(record: object, where: str, line_number: int) -> Question:
     category = record.get("category", "default")
     if not (isinstance(category, str) and category.strip()):
         raise _field_error(where, "'category' must be a non-empty string")
-    return Question(str(question_id), category, tuple(turns))
+    system = record.get("system", "")
+    if not isinstance(system, str):
+        raise _field_error(where, "'system' must be a string")
+    return Question(str(question_id), category, tuple(turns), system)
 
 
 def load_questions(path: str | Path) -> list[Question]:

@@ -44,6 +44,11 @@ def add_bench(sub: Any) -> None:
         help="also run every engine mode with this many concurrent users through the worker's batch "
         "scheduler (comma-separated, e.g. 1,2,4,8), on the questions' first turns",
     )
+    b.add_argument(
+        "--without-prefix-cache",
+        action="store_true",
+        help="--concurrency: also run every mode without the prefix cache, as 'MODE (no prefix cache)'",
+    )
     b.add_argument("--json-out", help="write the report as JSON here")
     b.add_argument("--plot", help="write a PNG of speed-up and τ per mode and category")
     b.add_argument(
@@ -147,6 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             progress=console.log,
             others=others,
             concurrency=levels,
+            without_prefix_cache=args.without_prefix_cache,
         )
     except (UnknownModeError, ModeUnavailableError) as exc:
         raise CliError(str(exc)) from exc

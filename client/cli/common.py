@@ -11,9 +11,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from specdraft.common import atomic_write_text
 
+PREFIX_CACHE_MB = 256
+"""--prefix-cache-mb's default: ``EngineConfig.prefix_cache_bytes`` in MiB, written here so that
+building the parser loads no torch (a test checks that the two agree)."""
+
 if TYPE_CHECKING:
     from llm_worker.assembly import ResourceConfig
-    from llm_worker.config import ModelConfig
+    from llm_worker.config import EngineConfig, ModelConfig
     from llm_worker.engine import Engine
     from llm_worker.model.target import TargetModel
 
@@ -80,6 +84,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="fast backend: torch operations between the GEMMs instead of the fused CPU kernels",
     )
+    g.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=PREFIX_CACHE_MB,
+        help="memory for the KV of prompt prefixes reused across requests (shared system prompts, "
+        "chat histories; fast backend only); 0 turns the prefix cache off",
+    )
 
 
 def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None) -> ModelConfig:
@@ -98,11 +109,22 @@ def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None)
     )
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The decode loop's options of this command (``EngineConfig``)."""
+    from llm_worker.config import EngineConfig
+
+    mb = getattr(args, "prefix_cache_mb", PREFIX_CACHE_MB)
+    if mb < 0:
+        raise CliError(f"--prefix-cache-mb must be >= 0, got {mb}")
+    return EngineConfig(prefix_cache_bytes=int(mb * (1 << 20)))
+
+
 def worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str]:
     """The model options of this command, as ``specdraft serve worker`` arguments."""
     out = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend, "--kernel", args.kernel]
     out += ["--model", args.model] if args.model else []
     out += [] if args.fused else ["--no-fused"]
+    out += ["--prefix-cache-mb", str(getattr(args, "prefix_cache_mb", PREFIX_CACHE_MB))]
     return out + (["--threads", str(threads)] if threads else [])
 
 
@@ -176,7 +198,7 @@ def engine_from_args(args: argparse.Namespace) -> tuple[Engine, TargetModel, Any
     from llm_worker.assembly import AssemblyError, load_engine
 
     try:
-        return load_engine(model_config(args), resource_config(args))
+        return load_engine(model_config(args), resource_config(args), engine_config(args))
     except AssemblyError as exc:
         raise CliError(str(exc)) from exc
 

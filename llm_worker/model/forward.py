@@ -145,6 +145,32 @@ class Forward(TargetModel):
                 values[:, :, :, dest] = values.index_select(3, index)
         state.length = start + len(rows)
 
+    @property
+    def prefix_reuse(self) -> bool:
+        return True  # every operation is row-invariant (``fast_llama``'s docstring)
+
+    def export_kv(self, state: SequenceState, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(state, KVState)
+        if not 0 <= start <= stop <= state.length:
+            raise ValueError(f"positions {start}..{stop} are not committed (length {state.length})")
+        with self._lock:  # the pool must not move while the rows are copied
+            return (
+                state.keys[:, 0, :, start:stop].clone(),
+                state.values[:, 0, :, start:stop].clone(),
+            )
+
+    def import_kv(self, state: SequenceState, keys: torch.Tensor, values: torch.Tensor) -> None:
+        assert isinstance(state, KVState)
+        n = int(keys.shape[2])
+        start = state.length
+        if start + n > self.info.max_context:
+            raise ValueError(f"{start + n} positions exceed the model's limit of {self.info.max_context}")
+        with self._lock:
+            self._reserve(state, start + n)
+            state.keys[:, 0, :, start : start + n] = keys
+            state.values[:, 0, :, start : start + n] = values
+        state.length = start + n
+
     # -- forward ----------------------------------------------------------------------------
 
     def forward(

@@ -219,6 +219,23 @@ class TargetModel(ABC):
         return None
 
     @property
+    def prefix_reuse(self) -> bool:
+        """Whether committed KV may be copied out of one request's cache and into another's
+        (``export_kv`` / ``import_kv``) with every later logit bit-identical to a fresh prefill:
+        true only of a batch-invariant forward (``llm_worker.prefix_cache``)."""
+        return False
+
+    def export_kv(self, state: SequenceState, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of committed positions start .. stop - 1: keys [layers, kv_heads, n, d] and
+        values in the cache's own layout [layers, kv_heads, n, d'] (``import_kv`` takes them)."""
+        raise NotImplementedError(f"the {self.info.backend} backend does not export its KV cache")
+
+    def import_kv(self, state: SequenceState, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append positions ``export_kv`` copied (of the same tokens at the same positions) to
+        ``state``'s committed cache, as if its forwards had computed them."""
+        raise NotImplementedError(f"the {self.info.backend} backend does not import KV")
+
+    @property
     def taps(self) -> frozenset[Tap]:
         """The points at which its forward hands out tensors for artifacts (``artifacts``)."""
         return frozenset()
