@@ -173,9 +173,21 @@ class AsyncGenerationClient:
             raise ValueError("no worker address given")
         self.addresses = list(addresses)
         self.timeout = timeout
-        security = security or ClientSecurity()
-        self._channels = {a: security.aio_channel(a, CHANNEL_OPTIONS) for a in self.addresses}
+        self.security = security or ClientSecurity()
+        self._channels = {a: self.security.aio_channel(a, CHANNEL_OPTIONS) for a in self.addresses}
         self._stubs = {a: generation_pb2_grpc.GenerationStub(c) for a, c in self._channels.items()}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The channel to ``address``; one to an address not given at construction (a worker
+        discovered since) is opened on first use and kept until ``close``."""
+        if address not in self._channels:
+            self._channels[address] = self.security.aio_channel(address, CHANNEL_OPTIONS)
+            self._stubs[address] = generation_pb2_grpc.GenerationStub(self._channels[address])
+        return self._channels[address]
+
+    def _stub(self, address: str) -> generation_pb2_grpc.GenerationStub:
+        self.channel(address)
+        return self._stubs[address]
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
         last: grpc.RpcError | None = None
@@ -190,13 +202,17 @@ class AsyncGenerationClient:
         raise last
 
     async def generate_stream(
-        self, request: generation_pb2.GenerateRequest
+        self, request: generation_pb2.GenerateRequest, addresses: Sequence[str] | None = None
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        """The chunks of one generation. ``addresses``: the workers to try, in this order,
+        instead of the client's own (a pool's round robin). A caller that stops iterating early
+        (``aclose``, a cancelled task) cancels the call, so the worker stops decoding."""
         last: grpc.RpcError | None = None
-        for address in self.addresses:
+        for address in addresses or self.addresses:
             started = False
+            call = self._stub(address).GenerateStream(request, timeout=self.timeout)
             try:
-                async for chunk in self._stubs[address].GenerateStream(request, timeout=self.timeout):
+                async for chunk in call:
                     started = True
                     yield chunk
                 return
@@ -204,6 +220,8 @@ class AsyncGenerationClient:
                 if started or exc.code() not in FAILOVER_CODES:
                     raise
                 last = exc
+            finally:
+                call.cancel()  # nothing once the call has ended
         assert last is not None
         raise last
 

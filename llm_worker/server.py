@@ -137,7 +137,7 @@ def prompt_bytes(msg: generation_pb2.GenerateRequest) -> int:
 _DONE = object()
 
 
-def _close_after(step: Future[Any] | None, steps: Iterator[Any]) -> None:
+def close_after(step: Future[Any] | None, steps: Iterator[Any]) -> None:
     """Close the engine's generator (which frees its KV cache and leaves the batch) once the
     step a cancelled call left running has returned: a generator cannot be closed while it runs."""
     if step is not None:
@@ -251,7 +251,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     # off the event loop, after a step a cancellation left running (it still holds
                     # a pool thread and the model's forwards, so it still counts as active)
                     with contextlib.suppress(Exception):
-                        await loop.run_in_executor(self.executor, _close_after, step, steps)
+                        await loop.run_in_executor(self.executor, close_after, step, steps)
             finally:
                 self.active -= 1
                 self.metrics.in_flight.dec()
@@ -340,6 +340,24 @@ class DroppedDrafts:
         )
 
 
+def watch_engine(worker: Worker, metrics: WorkerMetrics) -> None:
+    """Export what ``worker``'s engine counts in ``metrics``: requests and rows per batched
+    forward, the dense query cache, the shards, dropped drafts (every server of a worker calls
+    this once: gRPC, and HTTP in process)."""
+    if worker.engine.scheduler is not None:  # requests and rows per batched forward
+        worker.engine.scheduler.on_batch = metrics.observe_batch
+    queries = worker.engine.resources.dense_queries
+    if queries is not None:  # hit rate and saved time of the dense query cache
+        from datastore_svc.cache import CacheCollector
+
+        metrics.registry.register(CacheCollector(queries))
+    from datastore_svc.fanout import RemoteDatastore, ShardsCollector
+
+    if isinstance(worker.engine.resources.datastore, RemoteDatastore):  # per shard: failures, off-version
+        metrics.registry.register(ShardsCollector(worker.engine.resources.datastore))
+    metrics.registry.register(DroppedDrafts(worker.engine))
+
+
 class WorkerServer:
     """A running worker: gRPC server, health, reflection. ``start`` / ``stop`` on one event loop."""
 
@@ -353,18 +371,7 @@ class WorkerServer:
         self.worker = worker
         self.cfg = cfg
         self.metrics = metrics or WorkerMetrics()
-        if worker.engine.scheduler is not None:  # requests and rows per batched forward
-            worker.engine.scheduler.on_batch = self.metrics.observe_batch
-        queries = worker.engine.resources.dense_queries
-        if queries is not None:  # hit rate and saved time of the dense query cache
-            from datastore_svc.cache import CacheCollector
-
-            self.metrics.registry.register(CacheCollector(queries))
-        from datastore_svc.fanout import RemoteDatastore, ShardsCollector
-
-        if isinstance(worker.engine.resources.datastore, RemoteDatastore):  # per shard: failures, off-version
-            self.metrics.registry.register(ShardsCollector(worker.engine.resources.datastore))
-        self.metrics.registry.register(DroppedDrafts(worker.engine))
+        watch_engine(worker, self.metrics)
         self.registry = registry
         self.metrics_port: int | None = None
         self._heartbeat: asyncio.Task[None] | None = None

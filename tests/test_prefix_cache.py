@@ -252,7 +252,7 @@ def test_real_model_chat_with_a_shared_system_prompt_equals_ar(real_model, real_
 def test_cli_default_agrees_with_the_engine_config() -> None:
     from client.cli.common import PREFIX_CACHE_MB
 
-    assert PREFIX_CACHE_MB << 20 == EngineConfig().prefix_cache_bytes
+    assert EngineConfig().prefix_cache_bytes == PREFIX_CACHE_MB << 20
 
 
 def test_shared_prefix_suite_shares_its_system_prompt() -> None:

@@ -1,4 +1,5 @@
-"""``specdraft serve worker`` (an LLM worker) and ``specdraft serve datastore`` (one shard)."""
+"""``specdraft serve worker`` (an LLM worker), ``serve http`` (the OpenAI API over HTTP) and
+``specdraft serve datastore`` (one shard)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from typing import Any
 
 from client.cli.common import (
     CliError,
+    add_client_security_args,
     add_datastore_args,
     add_model_args,
     add_server_security_args,
+    addresses,
+    client_security,
     engine_from_args,
     positive_int,
     server_security,
@@ -25,20 +29,7 @@ def add_serve(sub: Any) -> None:
     add_datastore_args(w)
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=50051, help="0 = any free port")
-    w.add_argument(
-        "--max-concurrent", type=int, default=4, help="generations at once; more get RESOURCE_EXHAUSTED"
-    )
-    w.add_argument(
-        "--no-batching",
-        dest="batching",
-        action="store_false",
-        help="run each generation's forwards on their own instead of every active generation's new "
-        "tokens in one forward (continuous batching, the default)",
-    )
-    w.add_argument("--max-batch-rows", type=int, default=512, help="most new tokens in one batched forward")
-    w.add_argument("--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM")
-    w.add_argument("--default-max-new-tokens", type=int, default=256)
-    w.add_argument("--worker-id", default=None)
+    _add_worker_args(w, "RESOURCE_EXHAUSTED")
     w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     w.add_argument(
         "--registry", default=None, help="publish this worker in a registry: redis://HOST:PORT[/DB]"
@@ -49,30 +40,29 @@ def add_serve(sub: Any) -> None:
     w.add_argument(
         "--advertise", default=None, help="host:port to publish (default: --host and the bound port)"
     )
-    w.add_argument(
-        "--no-warm", dest="warm", action="store_false", help="skip measuring the cost curve at start"
-    )
-    w.add_argument(
-        "--max-prompt-bytes", type=int, default=256 * 1024, help="refuse longer prompts before tokenizing"
-    )
-    w.add_argument(
-        "--max-generation-seconds", type=float, default=600.0, help="wall time one generation may take"
-    )
-    g = w.add_argument_group("online drafting (suffix, recycle)")
-    g.add_argument(
-        "--suffix-max-tokens",
-        type=positive_int,
-        default=262_144,
-        help="tokens suffix mode keeps of finished requests, over all tenants (oldest evicted)",
-    )
-    g.add_argument(
-        "--recycle-max-tenants",
-        type=positive_int,
-        default=16,
-        help="Token Recycling matrices kept, one per tenant (least recently used evicted)",
-    )
     add_server_security_args(w)
     w.set_defaults(func=cmd_serve_worker)
+
+    h = serve_sub.add_parser(
+        "http",
+        help="an OpenAI-compatible HTTP API: a worker in this process, or in front of gRPC workers",
+    )
+    add_model_args(h)
+    add_datastore_args(h)
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    h.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: its Hub id, or its directory's name)",
+    )
+    _add_worker_args(h, "429")
+    pool = h.add_argument_group("in front of gRPC workers (instead of a worker in this process)")
+    pool.add_argument("--workers", type=addresses, default=(), help="HOST:PORT[,HOST:PORT...] of workers")
+    pool.add_argument("--registry", default=None, help="the workers' registry: redis://USER@HOST:PORT[/DB]")
+    add_client_security_args(h, prefix="worker-")
+    add_server_security_args(h)
+    h.set_defaults(func=cmd_serve_http)
 
     ds = serve_sub.add_parser("datastore", help="one datastore shard (gRPC Datastore service)")
     ds.add_argument("--datastore", required=True, help="the version directory to serve first")
@@ -112,9 +102,47 @@ def add_serve(sub: Any) -> None:
     ds.set_defaults(func=cmd_serve_datastore)
 
 
-def cmd_serve_worker(args: argparse.Namespace) -> int:
-    security = server_security(args)
-    _check_exposure(args.host, security)  # before the model loads
+def _add_worker_args(p: argparse.ArgumentParser, refusal: str) -> None:
+    """The options of a worker and its limits (``serve worker``, ``serve http``); ``refusal``:
+    what a generation over ``--max-concurrent`` gets."""
+    p.add_argument("--max-concurrent", type=int, default=4, help=f"generations at once; more get {refusal}")
+    p.add_argument(
+        "--no-batching",
+        dest="batching",
+        action="store_false",
+        help="run each generation's forwards on their own instead of every active generation's new "
+        "tokens in one forward (continuous batching, the default)",
+    )
+    p.add_argument("--max-batch-rows", type=int, default=512, help="most new tokens in one batched forward")
+    p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM")
+    p.add_argument("--default-max-new-tokens", type=int, default=256)
+    p.add_argument("--worker-id", default=None)
+    p.add_argument(
+        "--no-warm", dest="warm", action="store_false", help="skip measuring the cost curve at start"
+    )
+    p.add_argument(
+        "--max-prompt-bytes", type=int, default=256 * 1024, help="refuse longer prompts before tokenizing"
+    )
+    p.add_argument(
+        "--max-generation-seconds", type=float, default=600.0, help="wall time one generation may take"
+    )
+    g = p.add_argument_group("online drafting (suffix, recycle)")
+    g.add_argument(
+        "--suffix-max-tokens",
+        type=positive_int,
+        default=262_144,
+        help="tokens suffix mode keeps of finished requests, over all tenants (oldest evicted)",
+    )
+    g.add_argument(
+        "--recycle-max-tenants",
+        type=positive_int,
+        default=16,
+        help="Token Recycling matrices kept, one per tenant (least recently used evicted)",
+    )
+
+
+def _worker(args: argparse.Namespace) -> Any:
+    """The ``Worker`` of the model, datastore and worker options, ready for traffic."""
     if args.max_batch_rows < 1:
         raise CliError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
     engine, _, tokenizer = engine_from_args(args)
@@ -128,8 +156,6 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
             resources=engine.resources,
             batching=BatchingConfig(args.max_batch_rows),
         )
-    from llm_worker.registry import open_registry
-    from llm_worker.server import ServerConfig, serve_worker
     from llm_worker.worker import Worker
 
     worker = Worker(
@@ -137,6 +163,16 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
     )
     if args.warm:
         engine.cost_curve  # measure (or load) the verify cost curve before taking traffic  # noqa: B018
+    return worker
+
+
+def cmd_serve_worker(args: argparse.Namespace) -> int:
+    security = server_security(args)
+    _check_exposure(args.host, security)  # before the model loads
+    worker = _worker(args)
+    from llm_worker.registry import open_registry
+    from llm_worker.server import ServerConfig, serve_worker
+
     cfg = ServerConfig(
         host=args.host,
         port=args.port,
@@ -159,6 +195,53 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     serve_worker(worker, cfg, ready, registry)
+    return 0
+
+
+def cmd_serve_http(args: argparse.Namespace) -> int:
+    from client.http_api.app import create_app
+    from client.http_api.backends import Backend, InProcessBackend, Limits, WorkerPool
+    from client.http_api.server import HttpConfig, serve_http
+    from llm_worker.metrics import WorkerMetrics
+
+    security = server_security(args)
+    _check_exposure(args.host, security, "HTTP")  # before the model loads
+    if args.health_port is not None:
+        raise CliError("serve http answers /health on its own port: --health-port is for the gRPC servers")
+    metrics = WorkerMetrics()
+    backend: Backend
+    if args.workers or args.registry:
+        from llm_worker.registry import open_registry
+
+        try:
+            registry = open_registry(args.registry) if args.registry else None
+            backend = WorkerPool(
+                args.workers,
+                registry,
+                client_security(args, prefix="worker-"),
+                timeout=args.max_generation_seconds,
+                name=args.served_model_name,
+            )
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
+        what = f"{len(args.workers)} workers" if args.workers else "the registry's workers"
+    else:
+        from llm_worker.server import watch_engine
+
+        worker = _worker(args)
+        watch_engine(worker, metrics)
+        limits = Limits(args.max_concurrent, args.max_prompt_bytes, args.max_generation_seconds)
+        backend = InProcessBackend(worker, limits, args.served_model_name)
+        what = f"worker {worker.worker_id} in process"
+    app = create_app(backend, security, metrics)
+    cfg = HttpConfig(args.host, args.port, security, args.grace_seconds)
+
+    def ready(port: int) -> None:
+        scheme = "https" if security.tls else "http"
+        sys.stderr.write(f"specdraft http ({what}) listening on {scheme}://{args.host}:{port}/v1\n")
+        sys.stderr.flush()
+
+    serve_http(app, cfg, ready)
     return 0
 
 
@@ -204,10 +287,10 @@ def cmd_serve_datastore(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_exposure(host: str, security: Any) -> None:
+def _check_exposure(host: str, security: Any, listener: str = "gRPC") -> None:
     from specdraft.security import SecurityError, check_exposure
 
     try:
-        check_exposure(host, security)
+        check_exposure(host, security, listener)
     except SecurityError as exc:
         raise CliError(str(exc)) from exc
