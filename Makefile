@@ -41,7 +41,7 @@ stubs: setup
 	$(PY) client/build_stubs.py
 
 demo: setup
-	$(VENV)/bin/specdraft bench --limit 5 --max-new-tokens 96 --json-out bench-out/demo.json
+	$(VENV)/bin/specdraft bench --limit 5 --max-new-tokens 96 --json-out bench-out/demo.json --plot bench-out/demo.png
 
 test: setup test-deps
 	$(VENV)/bin/ruff check .

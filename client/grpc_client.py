@@ -13,13 +13,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from llm_worker.config import DEFAULT_MODE
+from llm_worker.stats import GenerationStats
 from specdraft.security import ClientSecurity
 from specdraft.stubs import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -99,6 +100,23 @@ def build_request(
     return req
 
 
+@dataclass(frozen=True)
+class Completion:
+    """A worker's answer, as ``GenerationClient.complete`` returns it."""
+
+    text: str
+    """The generated text, special tokens (``<|im_end|>``) left out."""
+    token_ids: list[int]
+    finish_reason: str
+    """``stop`` (end of sequence) or ``length``."""
+    mode: str
+    prompt_tokens: int
+    stats: GenerationStats
+    """``tau``, ``drafted_tokens``, ``accepted_tokens``, ``acceptance_rate``,
+    ``tokens_per_second``, ``seconds``, ... (docs/cli.md, ``--json``)."""
+    worker_id: str
+
+
 class GenerationClient:
     """Blocking client over one or more worker addresses (``host:port``), tried in order."""
 
@@ -145,6 +163,38 @@ class GenerationClient:
                 last = exc
         assert last is not None
         raise last
+
+    def complete(
+        self, prompt: str | Sequence[Mapping[str, str]], *, system_prompt: str | None = None, **options: Any
+    ) -> Completion:
+        """Generate for ``prompt``, a text or a chat's messages (``[{"role": "user", "content":
+        "..."}]``, rendered by the worker's chat template), and return the text and statistics.
+        ``system_prompt``: a system turn before a chat that has none. ``options``:
+        ``RequestOptions``' fields, e.g. ``complete("def f(x):", mode="pld", max_new_tokens=32)``.
+        Errors are ``grpc.RpcError`` as from ``generate``."""
+        from llm_worker.results import from_response
+
+        request_options = RequestOptions(**options)
+        if isinstance(prompt, str):
+            if system_prompt is not None:
+                raise ValueError("system_prompt applies to a chat: give messages, not text")
+            request = build_request(text=prompt, options=request_options)
+        else:
+            turns = [(m["role"], m["content"]) for m in prompt]
+            if system_prompt is not None and not (turns and turns[0][0] == "system"):
+                turns.insert(0, ("system", system_prompt))
+            request = build_request(chat=turns, options=request_options)
+        response = self.generate(request)
+        result = from_response(response)
+        return Completion(
+            text=response.text,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            mode=result.mode,
+            prompt_tokens=response.prompt_tokens,
+            stats=result.stats,
+            worker_id=response.worker_id,
+        )
 
     def list_modes(self) -> generation_pb2.ListModesResponse:
         return self._call("ListModes", generation_pb2.ListModesRequest(), 10.0)

@@ -366,3 +366,6 @@ class BatchSession(TargetModel):
 
     def kernel_info(self) -> dict[str, Any]:
         return self.inner.kernel_info()
+
+    def kv_cache_usage(self) -> tuple[int, int] | None:
+        return self.inner.kv_cache_usage()

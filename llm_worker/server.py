@@ -37,9 +37,11 @@ from grpc_reflection.v1alpha import reflection
 from llm_worker import __version__
 from llm_worker.config import DEFAULT_MODE, SamplingParams
 from llm_worker.engine import StepOutput
-from llm_worker.metrics import WorkerMetrics
+from llm_worker.metrics import WorkerMetrics, kernels_label
+from llm_worker.prefix_cache import PrefixCache
 from llm_worker.registry import Registry, WorkerRecord
 from llm_worker.results import GenerationResult, to_response
+from llm_worker.stats import ThroughputWindow
 from llm_worker.textstream import TextStream
 from llm_worker.worker import BadRequest, Worker, WorkRequest
 from specdraft.common import MAX_ERROR_CHARS, shorten
@@ -83,6 +85,8 @@ class ServerConfig:
     """A prompt's text (or chat contents) longer than this is refused before tokenizing."""
     max_generation_seconds: float = 600.0
     """Wall time one generation may take, whatever deadline its client set."""
+    log_interval_seconds: float = 30.0
+    """Log a one-line throughput summary this often while the worker is busy (0 = never)."""
 
 
 # -- protobuf ⇄ domain ---------------------------------------------------------------------
@@ -165,7 +169,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.cfg = cfg
         self.metrics = metrics or WorkerMetrics()
         self.active = 0
+        self.waiting = 0  # of the active, those whose first engine step has not started
         self.draining = False
+        self.window = ThroughputWindow()  # since the last summary line (``WorkerServer._summaries``)
+        self.served = ThroughputWindow()  # since start
         self.executor = ThreadPoolExecutor(max_workers=cfg.max_concurrent, thread_name_prefix="decode")
 
     async def _abort(
@@ -202,7 +209,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
             await self._abort(context, call, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         self.active += 1
-        self.metrics.in_flight.inc()
+        self.waiting += 1
+        self.metrics.waiting.inc()
+        running = False  # counted in ``specdraft_num_requests_running``, no longer waiting
         loop = asyncio.get_running_loop()
         steps: Iterator[StepOutput | GenerationResult] | None = None
         step: Future[Any] | None = None  # the step running on the pool, if any
@@ -224,6 +233,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             cancel = threading.Event()  # set when the call ends early: a prefill stops at its next chunk
             gen = replace(gen, cancel=cancel)
             steps = self.worker.stream(gen)
+            running = True
+            self.waiting -= 1
+            self.metrics.waiting.dec()
+            self.metrics.in_flight.inc()
+            self.metrics.observe_admitted(call.mode, len(gen.prompt_ids), time.perf_counter() - call.began)
             while True:
                 step = self.executor.submit(next, steps, _DONE)
                 item = await asyncio.wrap_future(step)
@@ -234,7 +248,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     call.first_token_seen = True
                     self.metrics.observe_first_token(call.mode, time.perf_counter() - call.began)
                 if isinstance(item, GenerationResult):
-                    self.metrics.observe_result(call.mode, item.stats)
+                    self.metrics.observe_result(call.mode, item.stats, item.finish_reason)
+                    self.window.observe(item.stats)
+                    self.served.observe(item.stats)
                 yield item, len(gen.prompt_ids)
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
@@ -254,7 +270,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         await loop.run_in_executor(self.executor, close_after, step, steps)
             finally:
                 self.active -= 1
-                self.metrics.in_flight.dec()
+                if running:
+                    self.metrics.in_flight.dec()
+                else:
+                    self.waiting -= 1
+                    self.metrics.waiting.dec()
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -324,6 +344,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 # -- the server ----------------------------------------------------------------------------
 
 
+def describe_datastore(datastore: Any) -> str:
+    """The datastore a worker drafts from, for its log: "none", its version directory, or the
+    shard addresses of a remote fan-out."""
+    from datastore_svc.fanout import RemoteDatastore
+    from datastore_svc.store import LocalRetriever
+
+    if datastore is None:
+        return "none"
+    if isinstance(datastore, LocalRetriever):
+        return f"{datastore.current.path} (in process)"
+    if isinstance(datastore, RemoteDatastore):
+        return "shards at " + ", ".join(datastore.addresses)
+    return type(datastore).__name__
+
+
 class DroppedDrafts:
     """Prometheus view of ``Engine.dropped_drafts``."""
 
@@ -340,10 +375,34 @@ class DroppedDrafts:
         )
 
 
+class PrefixCacheCollector:
+    """Prometheus view of the engine's prefix cache (``llm_worker.prefix_cache``), counted in
+    prompt tokens as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, and its memory."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.cache.stats
+        yield CounterMetricFamily(
+            "specdraft_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (each prompt's reusable whole blocks)",
+            stats.queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "specdraft_prefix_cache_hits", "Of those, prompt tokens found cached", stats.hit_tokens
+        )
+        yield GaugeMetricFamily(
+            "specdraft_prefix_cache_bytes", "Memory the prefix cache's blocks hold", self.cache.stored_bytes
+        )
+
+
 def watch_engine(worker: Worker, metrics: WorkerMetrics) -> None:
     """Export what ``worker``'s engine counts in ``metrics``: requests and rows per batched
-    forward, the dense query cache, the shards, dropped drafts (every server of a worker calls
-    this once: gRPC, and HTTP in process)."""
+    forward, the dense query cache, the shards, dropped drafts, the prefix cache, the model, the
+    KV cache's use (every server of a worker calls this once: gRPC, and HTTP in process)."""
     if worker.engine.scheduler is not None:  # requests and rows per batched forward
         worker.engine.scheduler.on_batch = metrics.observe_batch
     queries = worker.engine.resources.dense_queries
@@ -356,6 +415,11 @@ def watch_engine(worker: Worker, metrics: WorkerMetrics) -> None:
     if isinstance(worker.engine.resources.datastore, RemoteDatastore):  # per shard: failures, off-version
         metrics.registry.register(ShardsCollector(worker.engine.resources.datastore))
     metrics.registry.register(DroppedDrafts(worker.engine))
+    cache = worker.engine.prefix_cache
+    if cache is not None and worker.engine.target.prefix_reuse:
+        metrics.registry.register(PrefixCacheCollector(cache))
+    metrics.describe_model(worker.model_info, worker.engine.target.kernel_info())
+    metrics.watch_kv_cache(worker.engine.target.kv_cache_usage)
 
 
 class WorkerServer:
@@ -375,6 +439,7 @@ class WorkerServer:
         self.registry = registry
         self.metrics_port: int | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._summaries: asyncio.Task[None] | None = None
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -415,16 +480,61 @@ class WorkerServer:
             self.metrics_port = serve_metrics(
                 self.metrics.registry, self.cfg.host, self.cfg.metrics_port, self.cfg.security
             )
+        described = await asyncio.to_thread(self.worker.modes)
+        self.modes = tuple(m.name for m in described if m.available)
         if self.registry is not None:
-            self.modes = tuple(await asyncio.to_thread(self.worker.available_modes))
             await self._publish()
             self._heartbeat = asyncio.create_task(self._beat())
+        if self.cfg.log_interval_seconds > 0:
+            self._summaries = asyncio.create_task(self._summarize(self.cfg.log_interval_seconds))
         # SERVING last: once health says so, the worker is also discoverable in the registry.
         serving = health_pb2.HealthCheckResponse.SERVING
         await self.health.set("", serving)
         await self.health.set(SERVICE_NAME, serving)
-        log.info("worker %s serving on %s:%d", self.worker.worker_id, self.cfg.host, self.port)
+        for line in self.startup_summary([m.name for m in described if not m.available]):
+            log.info("%s", line)
         return self.port
+
+    def startup_summary(self, unavailable: list[str]) -> list[str]:
+        """What the worker serves and how, for its log. Example:
+
+        worker w-1 serving on 127.0.0.1:50051 (plaintext, no token check; metrics on port 9100)
+        model SmolLM2-135M-Instruct, float32 on cpu, backend fast, kernels quant:1+fused
+        modes: ar, pld, pld+h, suffix (unavailable here: rest, dresd, glide); datastore: none
+        """
+        info, security = self.worker.model_info, self.cfg.security
+        kernels = kernels_label(self.worker.engine.target.kernel_info())
+        access = "TLS" if security.tls else "plaintext"
+        access += " with client certificates" if security.ca else ""
+        access += ", bearer tokens" if security.tokens else ", no token check"
+        ports = [f"metrics on port {self.metrics_port}" if self.metrics_port is not None else "no metrics"]
+        if self.health_port is not None:
+            ports.append(f"health also on port {self.health_port}")
+        datastore = self.worker.engine.resources.datastore
+        registry = "published in the registry" if self.registry is not None else "no registry"
+        return [
+            f"worker {self.worker.worker_id} serving on {self.cfg.host}:{self.port} "
+            f"({access}; {'; '.join(ports)}; {registry})",
+            f"model {info.name}, {info.dtype} on {info.device}, backend {info.backend}, kernels {kernels}; "
+            f"batching {'on' if self.worker.engine.scheduler is not None else 'off'}, "
+            f"at most {self.cfg.max_concurrent} generations at once",
+            f"modes: {', '.join(self.modes) or 'none'}"
+            + (f" (unavailable here: {', '.join(unavailable)})" if unavailable else "")
+            + f"; datastore: {describe_datastore(datastore)}",
+        ]
+
+    async def _summarize(self, interval: float) -> None:
+        """Every ``interval`` seconds while busy (a generation finished or running), one line of
+        throughput (``ThroughputWindow.line``)."""
+        began = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            window, self.servicer.window = self.servicer.window, ThroughputWindow()
+            if window.requests or self.servicer.active:
+                running = self.servicer.active - self.servicer.waiting
+                log.info("%s", window.line(now - began, running, self.servicer.waiting))
+            began = now
 
     def record(self) -> WorkerRecord:
         info = self.worker.model_info
@@ -459,8 +569,9 @@ class WorkerServer:
         finish within grace."""
         self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        for task in (self._heartbeat, self._summaries):
+            if task is not None:
+                task.cancel()
         if self.registry is not None:
             try:
                 await asyncio.to_thread(self.registry.remove, self.worker.worker_id)
@@ -491,7 +602,13 @@ def serve_worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        log.info("draining (grace %.0f s)", cfg.grace_seconds)
+        log.info(
+            "draining: %d generations running, refusing new ones (grace %.0f s)",
+            server.servicer.active,
+            cfg.grace_seconds,
+        )
         await server.stop()
+        served = server.servicer.served
+        log.info("stopped: %d generations served, %d tokens", served.requests, served.new_tokens)
 
     asyncio.run(main())

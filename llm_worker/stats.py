@@ -87,3 +87,33 @@ class GenerationStats:
                 for a, r in zip(self.depth_accepted, self.depth_reached, strict=True)
             ],
         }
+
+
+@dataclass
+class ThroughputWindow:
+    """Generations a worker finished over a stretch of time, for its log: the periodic one-line
+    summary (one window per interval) and the counts it logs when it stops (one since start)."""
+
+    requests: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+
+    def observe(self, stats: GenerationStats) -> None:
+        self.requests += 1
+        self.new_tokens += stats.new_tokens
+        self.target_forwards += stats.target_forwards
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def line(self, seconds: float, running: int, waiting: int) -> str:
+        """One line of the worker's log. Example: 3 requests of 40 tokens in 47 forwards over
+        10 s with 2 running → "3 requests finished in 10 s, 120 tokens (12.0 tokens/s, τ 2.55);
+        2 running, 0 waiting"."""
+        rate = self.new_tokens / seconds if seconds > 0 else 0.0
+        return (
+            f"{self.requests} request{'' if self.requests == 1 else 's'} finished in {seconds:.0f} s, "
+            f"{self.new_tokens} tokens "
+            f"({rate:.1f} tokens/s, τ {self.tau:.2f}); {running} running, {waiting} waiting"
+        )

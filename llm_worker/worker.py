@@ -52,7 +52,11 @@ class ModeDescription:
 
 
 class Worker:
-    """One model, one engine, and the rules for turning requests into engine calls."""
+    """One model, one engine, and the rules for turning requests into engine calls.
+
+    ``chat_template``: a Jinja chat template that chat requests are rendered with instead of the
+    tokenizer's own (``--chat-template``); None keeps the tokenizer's.
+    """
 
     def __init__(
         self,
@@ -60,11 +64,13 @@ class Worker:
         tokenizer: Tokenizer,
         worker_id: str | None = None,
         default_max_new_tokens: int = 256,
+        chat_template: str | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.worker_id = worker_id or uuid.uuid4().hex[:12]
         self.default_max_new_tokens = default_max_new_tokens
+        self.chat_template = chat_template
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -87,7 +93,8 @@ class Worker:
             if role not in CHAT_ROLES:
                 raise BadRequest(f"chat role {shorten(role)!r} is not one of {CHAT_ROLES}")
         try:
-            return chat_prompt_ids(self.tokenizer, [{"role": r, "content": c} for r, c in req.chat])
+            messages = [{"role": r, "content": c} for r, c in req.chat]
+            return chat_prompt_ids(self.tokenizer, messages, self.chat_template)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -119,6 +126,8 @@ class Worker:
         return self.engine.stream(gen, validated=True)
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of generated tokens, special tokens (``<|im_end|>``, ``<|endoftext|>``) left
+        out: ``[504, 2]`` → ``"The"`` on SmolLM2, whose id 2 is ``<|im_end|>``."""
         if self.tokenizer is None:
             return ""
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

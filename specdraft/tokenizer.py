@@ -59,9 +59,11 @@ class Tokenizer(Protocol):
         self,
         conversation: Sequence[Mapping[str, str]],
         *,
+        chat_template: str | None = ...,
         add_generation_prompt: bool = ...,
         tokenize: Literal[False],
     ) -> str:
-        """The chat turns (``role``, ``content``) as the template's text; with
-        ``add_generation_prompt``, ending with the opening of the assistant's turn."""
+        """The chat turns (``role``, ``content``) as the template's text (``chat_template``: a
+        Jinja template instead of the tokenizer's own); with ``add_generation_prompt``, ending
+        with the opening of the assistant's turn."""
         ...

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -266,3 +268,125 @@ def test_pld_a_refuses_a_head_file_of_another_model(
         )
         assert code == 2 and ("not valid" in err or "not a file" in err), err
         assert "Traceback" not in err and "errno" not in err.lower()
+
+
+def test_version_names_the_package_torch_transformers_and_the_kernels(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["specdraft", "torch", "transformers", "native"]
+    assert lines[1] == f"torch {torch.__version__}"
+    assert lines[3].startswith(("native kernels: yes", "native kernels: no: "))
+
+
+def test_a_mistyped_mode_is_refused_before_the_model_loads() -> None:
+    """The mode is checked before the model loads: with a model that does not exist, the mode's
+    error is the one reported, one line, exit 2, in the time Python and torch take to start."""
+    base = [sys.executable, "-m", "client.cli", "generate", "--model", "/nonexistent", "--mode"]
+    for mode, message in (("pdl", "unknown mode 'pdl'"), ("pld+h:layr=3", "takes options")):
+        cmd = [*base, mode, "hi"]
+        began = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        seconds = time.monotonic() - began
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.startswith("specdraft: error:") and message in proc.stderr
+        assert proc.stderr.count("\n") == 1
+        assert seconds < 20, f"{seconds:.1f} s"  # about 2 s on an idle 2-core machine
+
+
+def test_system_prompt_and_chat_template_reach_the_prompt(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llm_worker.assembly import load_tokenizer
+    from llm_worker.chat import chat_prompt_ids
+
+    tokenizer, _ = load_tokenizer(str(tiny_dir))
+    argv = ["generate", "--model", str(tiny_dir), "--chat", "--max-new-tokens", "2", "--json"]
+
+    def prompt_tokens(*extra: str) -> int:
+        code, out, err = run(capsys, *argv, *extra, "Name a prime.")
+        assert code == 0, err
+        return int(json.loads(out)["prompt_tokens"])
+
+    user = {"role": "user", "content": "Name a prime."}
+    system = {"role": "system", "content": "Be terse."}
+    assert prompt_tokens() == len(chat_prompt_ids(tokenizer, [user]))
+    assert prompt_tokens("--system", "Be terse.") == len(chat_prompt_ids(tokenizer, [system, user]))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    rendered = tokenizer("<system>Be terse.<user>Name a prime.<assistant>", add_special_tokens=False)
+    own = prompt_tokens("--system", "Be terse.", "--chat-template", str(template))
+    assert own == len(rendered["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--system", "Be terse."], "--system and --chat-template apply to chat prompts"),
+        (["--chat", "--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja"),
+        (["--chat", "--chat-template", "x.jinja", "--server", "127.0.0.1:1"], "to serve worker"),
+        (["--max-model-len", "16", "--max-new-tokens", "20"], "exceeds the model's context of 16 tokens"),
+    ],
+)
+def test_chat_and_context_options_are_checked(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    code, out, err = run(capsys, "generate", "--model", str(tiny_dir), *extra, "hello")
+    assert code == 2 and out == ""
+    assert message in err and err.startswith("specdraft: error:")
+
+
+def _hub_cache(root: Path, repo_id: str, model_dir: Path) -> None:
+    """A Hugging Face cache under ``root`` holding ``model_dir`` as ``repo_id``'s main snapshot
+    (the layout ``huggingface_hub`` writes: blobs linked from ``snapshots/REV``, ``refs/main``)."""
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snapshot.mkdir(parents=True)
+    for file in model_dir.iterdir():
+        (snapshot / file.name).symlink_to(file)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+
+
+def test_a_hub_id_is_found_in_the_hugging_face_cache(tiny_dir: Path, tmp_path: Path) -> None:
+    _hub_cache(tmp_path, "tiny-org/tiny-llama", tiny_dir)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, "-m", "client.cli", "generate", "--max-new-tokens", "3", "--json", "--model"]
+    found = subprocess.run([*base, "tiny-org/tiny-llama", "hi"], env=env, capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
+    assert len(json.loads(found.stdout)["token_ids"]) == 3
+    absent = subprocess.run([*base, "tiny-org/absent", "hi"], env=env, capture_output=True, text=True)
+    assert absent.returncode == 2 and absent.stderr.count("\n") == 1
+    assert "tiny-org/absent is neither a model directory nor a Hub model in the Hugging Face cache" in (
+        absent.stderr
+    )
+    assert f"({tmp_path})" in absent.stderr and "hf download tiny-org/absent" in absent.stderr
+
+
+def test_modes_lines_are_aligned_with_reasons_and_json_carries_them(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``specdraft modes``: the summaries start in one column however long the names, every
+    unavailable mode says why (ListModes' reason), and ``--json`` gives the same as data."""
+    code, out, _ = run(capsys, "modes", "--model", str(tiny_dir), "--json")
+    assert code == 0
+    modes = json.loads(out)
+    by_name = {m["name"]: m for m in modes}
+    assert by_name["ar"]["available"] and by_name["ar"]["unavailable_reason"] == ""
+    unavailable = [m for m in modes if not m["available"]]
+    assert by_name["rest"] in unavailable  # no datastore given
+    assert all(m["unavailable_reason"] for m in unavailable), unavailable
+    assert set(modes[0]) == {"name", "summary", "options", "available", "unavailable_reason"}
+
+    code, out, _ = run(capsys, "modes", "--model", str(tiny_dir))
+    assert code == 0
+    lines = out.splitlines()
+    column = max(len(m["name"]) for m in modes) + 2
+    for m in modes:
+        line = next(line for line in lines if line.startswith(m["name"] + " "))
+        assert line[column:].startswith(m["summary"]), line
+    for m in unavailable:
+        assert " " * column + "unavailable here: " + m["unavailable_reason"] in lines, m["name"]

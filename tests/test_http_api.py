@@ -188,7 +188,7 @@ def test_the_answers_have_openais_fields_and_the_speculation_stats(http: HttpThr
     assert httpx.get(f"{http.base}/health").json() == {"status": "ok"}
     metrics = httpx.get(f"{http.base}/metrics").text
     assert 'specdraft_requests_total{method="Completions",mode="pld",status="OK"}' in metrics
-    assert 'specdraft_generated_tokens_total{mode="pld"}' in metrics
+    assert 'specdraft_generation_tokens_total{mode="pld"}' in metrics
 
 
 def test_sampling_with_a_seed_is_reproducible(http: HttpThread) -> None:
@@ -341,7 +341,7 @@ def test_the_limit_is_429_and_a_client_gone_mid_stream_frees_its_slot(worker: Wo
         metrics = httpx.get(f"{server.base}/metrics").text
         assert 'method="Completions",mode="ar",status="CANCELLED"} 2.0' in metrics
         assert 'status="RESOURCE_EXHAUSTED"} 1.0' in metrics
-        assert "specdraft_requests_in_flight 0.0" in metrics
+        assert "specdraft_num_requests_running 0.0" in metrics
     finally:
         server.stop()
 
@@ -523,7 +523,9 @@ def test_specdraft_serve_http_serves_until_sigterm(tiny_dir: Path) -> None:
         assert r.usage is not None and r.usage.completion_tokens == 5
         metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text  # the engine's own series too
         assert 'method="ChatCompletions",mode="ar",status="OK"} 1.0' in metrics
-        assert "specdraft_drafts_dropped_untrusted" in metrics and "specdraft_batch_rows" in metrics
+        assert (
+            "specdraft_drafts_dropped_untrusted" in metrics and "specdraft_iteration_tokens_total" in metrics
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

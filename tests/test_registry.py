@@ -183,7 +183,7 @@ EXPECTED_METRICS = (
     'specdraft_requests_total{method="Generate",mode="pld",status="OK"} 1.0',
     'specdraft_requests_total{method="GenerateStream",mode="ar",status="OK"} 1.0',
     'specdraft_requests_total{method="Generate",mode="unknown",status="INVALID_ARGUMENT"} 1.0',
-    "specdraft_requests_in_flight 0.0",
+    "specdraft_num_requests_running 0.0",
 )
 
 
@@ -205,7 +205,7 @@ def test_metrics_endpoint_counts_requests_by_mode_and_status(worker: Worker) -> 
         body = wait_until(counted, 10, what=f"/metrics shows {EXPECTED_METRICS}")
     finally:
         srv.stop()
-    assert 'specdraft_generated_tokens_total{mode="pld"}' in body
+    assert 'specdraft_generation_tokens_total{mode="pld"}' in body
     assert "specdraft_tau_bucket" in body and "specdraft_time_to_first_token_seconds_bucket" in body
 
 

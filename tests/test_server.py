@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -394,6 +395,8 @@ def test_response_json_has_the_documented_keys(server: ServerThread) -> None:
 
 
 def test_sigterm_drains_a_real_worker_process_with_no_failed_calls(tiny_dir: Path) -> None:
+    """... and says so on stderr: its start-up summary, then a line as it drains and one with the
+    counts once it has stopped."""
     import signal
     import subprocess
     import sys
@@ -405,7 +408,9 @@ def test_sigterm_drains_a_real_worker_process_with_no_failed_calls(tiny_dir: Pat
     try:
         address = ""
         assert proc.stderr is not None
+        startup = []
         for line in proc.stderr:
+            startup.append(line)
             if "listening on" in line:
                 address = line.rsplit(" ", 1)[-1].strip()
                 break
@@ -414,12 +419,18 @@ def test_sigterm_drains_a_real_worker_process_with_no_failed_calls(tiny_dir: Pat
         with grpc.insecure_channel(address) as channel, ThreadPoolExecutor(3) as pool:
             stub = generation_pb2_grpc.GenerationStub(channel)
             calls = [pool.submit(stub.Generate, request, timeout=60) for _ in range(3)]
-            in_flight = "specdraft_requests_in_flight 3.0"
+            in_flight = "specdraft_num_requests_running 3.0"
             wait_until(lambda: in_flight in scrape(metrics_port), what="the three calls are in flight")
             proc.send_signal(signal.SIGTERM)
             results = [c.result() for c in calls]  # raises if any call failed
         assert [len(r.token_ids) for r in results] == [300, 300, 300]
         assert proc.wait(60) == 0
+        summary = "".join(startup)
+        assert "serving on 127.0.0.1:" in summary and "no token check" in summary, summary
+        assert "modes: ar, " in summary and "datastore: none" in summary, summary
+        rest = proc.stderr.read()
+        assert "draining: 3 generations running" in rest, rest
+        assert "stopped: 3 generations served, 900 tokens" in rest, rest
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -531,3 +542,84 @@ GRPC_FIGURES = (
     "draft_tokens_per_request_step",
     "identical_to_ar",
 )
+
+
+VLLM_ALIGNED = (
+    "specdraft_prompt_tokens_total",
+    "specdraft_generation_tokens_total",
+    "specdraft_request_queue_time_seconds_bucket",
+    "specdraft_time_to_first_token_seconds_bucket",
+    "specdraft_e2e_request_latency_seconds_bucket",
+    "specdraft_request_success_total",
+    "specdraft_spec_decode_num_draft_tokens_total",
+    "specdraft_spec_decode_num_accepted_tokens_total",
+    "specdraft_num_requests_running",
+    "specdraft_num_requests_waiting",
+    "specdraft_kv_cache_usage_perc",
+    "specdraft_model_info{",
+)
+
+
+def test_metrics_aligned_with_vllm_move_with_requests_and_have_no_created_twins(worker: Worker) -> None:
+    """Prompt tokens, queue time, time to first token, KV-cache usage and the model's description
+    under vLLM's names; a request moves them; no series has a ``_created`` twin."""
+    srv = start(worker, metrics_port=0)
+    registry = srv.server.metrics.registry
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    try:
+        assert worker.engine.target.kv_cache_usage() is not None  # the tiny model's fast target pools
+        options = RequestOptions(mode="pld", max_new_tokens=40, ignore_eos=True)
+        with GenerationClient([srv.address]) as client:
+            request = build_request(text="one two three one two three", options=options)
+            stream = client.generate_stream(request)
+            next(stream)  # the first step ran: the request holds a slot of the KV pool
+            assert value("specdraft_kv_cache_usage_perc") > 0
+            assert value("specdraft_num_requests_running") == 1
+            final = next(c for c in stream if c.HasField("final")).final
+        wait_until(
+            lambda: value("specdraft_request_success_total", mode="pld", finished_reason="length") == 1,
+            what="the request is counted",
+        )
+        assert value("specdraft_prompt_tokens_total", mode="pld") == final.prompt_tokens > 0
+        assert value("specdraft_generation_tokens_total", mode="pld") == 40
+        assert value("specdraft_request_queue_time_seconds_count", mode="pld") == 1
+        assert value("specdraft_time_to_first_token_seconds_count", mode="pld") == 1
+        assert value("specdraft_spec_decode_num_draft_tokens_total", mode="pld") == final.stats.drafted_tokens
+        assert value("specdraft_num_requests_waiting") == 0
+        port = srv.server.metrics_port
+        assert port is not None
+        body = scrape(port)
+    finally:
+        srv.stop()
+    missing = [name for name in VLLM_ALIGNED if name not in body]
+    assert not missing, missing
+    assert "_created" not in body
+    info = worker.model_info
+    model_line = next(line for line in body.splitlines() if line.startswith("specdraft_model_info{"))
+    for label in (f'model="{info.name}"', f'dtype="{info.dtype}"', f'device="{info.device}"', "kernels="):
+        assert label in model_line, model_line
+
+
+def test_a_busy_worker_logs_a_throughput_line_every_interval(
+    worker: Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="llm_worker.server"):
+        srv = start(worker, log_interval_seconds=0.2)
+        try:
+            assert f"worker {worker.worker_id} serving on 127.0.0.1:{srv.server.port}" in caplog.text
+            with GenerationClient([srv.address]) as client:
+                options = RequestOptions(max_new_tokens=6, ignore_eos=True)
+                client.generate(build_request(text="hello", options=options))
+
+            def throughput() -> str:
+                lines = [r.getMessage() for r in caplog.records if "1 request finished" in r.getMessage()]
+                return lines[0] if lines else ""
+
+            line = wait_until(throughput, 10, what="a throughput line")
+        finally:
+            srv.stop()
+    assert line.startswith("1 request finished in 0 s, 6 tokens (") and "τ " in line, line
+    assert line.endswith("0 running, 0 waiting"), line

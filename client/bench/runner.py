@@ -19,6 +19,7 @@ with the measured times of every invariant candidate.
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import time
 from collections import Counter
@@ -202,8 +203,6 @@ def machine_info(engine: Engine) -> dict[str, Any]:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    import os
-
     curve = engine.cost_curve
     ctx = 512
     return {
@@ -257,6 +256,44 @@ def source_counts(engine: Engine, modes: Sequence[str]) -> dict[str, Counter[str
     return out
 
 
+def one_minute_load() -> float | None:
+    """The 1-minute load average (``os.getloadavg``), None where the system keeps none."""
+    import os
+
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+@dataclass
+class LoadSamples:
+    """The 1-minute load average sampled through a run (at its start, between modes, at its
+    end), against the cores: more runnable threads than cores means other processes took CPU
+    time the bench's timings counted."""
+
+    cores: int
+    source: Callable[[], float | None] = one_minute_load
+    samples: list[float] = field(default_factory=list)
+
+    def sample(self) -> None:
+        value = self.source()
+        if value is not None:
+            self.samples.append(round(value, 2))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cores": self.cores, "samples": self.samples, "max": max(self.samples, default=None)}
+
+
+def time_left(elapsed: float, done: int, total: int) -> str:
+    """The rest of a run of ``total`` equal parts, ``done`` of them in ``elapsed`` seconds, in
+    words. Example: ``time_left(30, 3, 12)`` → "about 1.5 min left"; nothing done yet → ""."""
+    if done <= 0 or done >= total:
+        return ""
+    left = elapsed / done * (total - done)
+    return f"about {left:.0f} s left" if left < 90 else f"about {left / 60:.1f} min left"
+
+
 def run_bench(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -267,11 +304,15 @@ def run_bench(
     others: Sequence[Engine] = (),
     concurrency: Sequence[int] = (),
     without_prefix_cache: bool = False,
+    load: Callable[[], float | None] = one_minute_load,
 ) -> BenchResult:
     """``concurrency``: after the interleaved run, every engine mode again at each of these
     concurrencies through the worker's batch scheduler (``client.bench.concurrency``) on the
     questions' first turns, compared with ``ar``'s first-turn outputs of the run;
-    ``without_prefix_cache``: each also without the prefix cache."""
+    ``without_prefix_cache``: each also without the prefix cache. ``progress`` gets a line per
+    stage and per mode run, with the time left; ``load`` is sampled at the start, between modes
+    and at the end (``machine.load_average``)."""
+    say = progress or (lambda line: None)
     modes = list(dict.fromkeys(["ar", *modes]))  # ar is the reference: always run, always first in reports
     runners = make_runners(engine, modes)
     engines = {"": engine}
@@ -283,25 +324,43 @@ def run_bench(
         engines[suffix] = other
         all_modes += [m + suffix for m in own]
     result = BenchResult(all_modes)
+    loads = LoadSamples(os.cpu_count() or 1, load)
+    loads.sample()
     result.machine = machine_info(engine)  # also measures the cost curve before any timing
     for other in others:
         other.cost_curve  # noqa: B018  # measured (or read) before any timing
+    say("measuring the memory read bandwidth (a few seconds)")
     bandwidth = measure_read_bandwidth()
     result.machine["memory_read_gb_per_s"] = round(bandwidth / 1e9, 2)
     result.machine["dtypes"] = {e.target.info.dtype: dtype_info(e, bandwidth) for e in engines.values()}
-    result.config = {"max_new_tokens": max_new_tokens, "questions": len(questions), "modes": all_modes}
+    result.config = {
+        "max_new_tokens": max_new_tokens,
+        "questions": len(questions),
+        "questions_per_category": dict(Counter(q.category for q in questions)),
+        "modes": all_modes,
+    }
+    say(f"warming up {len(runners)} modes (8 tokens each; a learned drafter loads now)")
     _warm_up(runners, tokenizer)
     counted_before = source_counts(engine, modes)  # the warm-up's drafts are not the run's
     for mode in all_modes:
         result.overall[mode] = Tally()
     same_as_primary_ar = {suffix: [0, 0] for suffix in engines if suffix}  # [identical, outputs]
     first_turns: dict[str, list[list[int]]] = {suffix: [] for suffix in engines}  # ar's first answers
+    began, runs = time.monotonic(), len(questions) * len(all_modes)
     for qi, question in enumerate(questions):
         shift = qi % len(all_modes)
         order = all_modes[shift:] + all_modes[:shift]
-        outputs: dict[str, list[RunOutcome]] = {
-            mode: run_turns(runners[mode], tokenizer, question, max_new_tokens) for mode in order
-        }
+        outputs: dict[str, list[RunOutcome]] = {}
+        for mode in order:
+            outputs[mode] = run_turns(runners[mode], tokenizer, question, max_new_tokens)
+            loads.sample()
+            tokens = sum(len(o.token_ids) for o in outputs[mode])
+            seconds = sum(o.seconds for o in outputs[mode])
+            left = time_left(time.monotonic() - began, qi * len(all_modes) + len(outputs), runs)
+            say(
+                f"[{qi + 1}/{len(questions)} {question.category}] {mode}: {tokens} tokens in {seconds:.1f} s"
+                + (f" ({left})" if left else "")
+            )
         cat = result.per_category.setdefault(question.category, {m: Tally() for m in all_modes})
         for mode in all_modes:
             for turn, outcome in enumerate(outputs[mode]):
@@ -314,8 +373,6 @@ def run_bench(
             for turn, outcome in enumerate(outputs["ar" + suffix]):
                 counts[0] += outcome.token_ids == outputs["ar"][turn].token_ids
                 counts[1] += 1
-        if progress is not None:
-            progress(f"[{qi + 1}/{len(questions)}] {question.question_id}")
     _limits(result, engines)
     for mode, after in source_counts(engine, modes).items():
         result.by_source[mode] = dict(after - counted_before.get(mode, Counter()))
@@ -343,6 +400,8 @@ def run_bench(
             for mode, by_level in levels.items():
                 result.concurrency[mode + suffix] = by_level
         result.config["concurrency"] = list(concurrency)
+    loads.sample()
+    result.machine["load_average"] = loads.to_json()
     return result
 
 

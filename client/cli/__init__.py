@@ -16,7 +16,7 @@ import logging
 import sys
 
 from client.cli import bench, datastore, generate, secrets, serve, stack, train
-from client.cli.common import EXIT_BAD_INPUT, CliError, Parser
+from client.cli.common import EXIT_BAD_INPUT, CliError, Parser, VersionAction
 
 __all__ = ["EXIT_BAD_INPUT", "CliError", "build_parser", "main"]
 
@@ -24,6 +24,9 @@ __all__ = ["EXIT_BAD_INPUT", "CliError", "build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="specdraft", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    parser.add_argument(
+        "--version", action=VersionAction, help="print the versions of specdraft, torch and transformers"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_generate(sub)
     serve.add_serve(sub)

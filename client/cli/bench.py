@@ -50,7 +50,9 @@ def add_bench(sub: Any) -> None:
         help="--concurrency: also run every mode without the prefix cache, as 'MODE (no prefix cache)'",
     )
     b.add_argument("--json-out", help="write the report as JSON here")
-    b.add_argument("--plot", help="write a PNG of speed-up and τ per mode and category")
+    b.add_argument(
+        "--plot", help="write a PNG: tokens/s per mode, speed-up vs ar and τ per category (make demo does)"
+    )
     b.add_argument(
         "--also-dtype",
         help="also run every engine mode with the model in these dtypes (comma-separated), as MODE@DTYPE, "
@@ -122,6 +124,7 @@ def suite_questions(args: argparse.Namespace) -> list[Any]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    console = Console(stderr=True)
     questions = suite_questions(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     levels = concurrency_levels(args.concurrency)
@@ -129,6 +132,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for dtype in also:
         if dtype not in DTYPES:
             raise CliError(f"--also-dtype: unknown dtype {dtype!r}")
+    # Stages of a first run print their own lines with an estimate (conversion, native kernels,
+    # kernel choice, cost curve); a later run loads in seconds.
+    console.log(f"loading the model ({args.model or 'the default model'}, {args.dtype})")
     engine, target, tokenizer = engine_from_args(args)
     from client.bench.report import plot, render_table
     from client.bench.runner import run_bench
@@ -141,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for dtype in also
         if dtype != target.info.dtype
     ]
-    console = Console(stderr=True)
+    console.log(f"{len(questions)} prompts, at most {args.max_new_tokens} new tokens an answer")
     try:
         result = run_bench(
             engine,

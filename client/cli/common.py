@@ -36,6 +36,30 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+class VersionAction(argparse.Action):
+    """``specdraft --version``: the package's version, torch's and transformers', and whether the
+    fused CPU kernels can run here; computed only when asked (it imports torch), then exit 0::
+
+        specdraft 0.1.0
+        torch 2.13.0+cpu
+        transformers 5.23.0
+        native kernels: yes (built in /root/.cache/specdraft/native/specdraft_fused_718a6c36f6fc)
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from importlib.metadata import version
+
+        from llm_worker.model import native
+
+        lines = [f"specdraft {version('specdraft')}", f"torch {version('torch')}"]
+        lines += [f"transformers {version('transformers')}", f"native kernels: {native.describe()}"]
+        sys.stdout.write("\n".join(lines) + "\n")
+        parser.exit(0)
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -59,7 +83,10 @@ def print_json(payload: Any, json_out: str | None = None, indent: int | None = N
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
-        "--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="a Hugging Face model directory, or a Hub id (ORG/NAME) in the local Hugging Face cache "
+        "(default: SmolLM2-135M-Instruct)",
     )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
@@ -91,6 +118,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="memory for the KV of prompt prefixes reused across requests (shared system prompts, "
         "chat histories; fast backend only); 0 turns the prefix cache off",
     )
+    g.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="cap on prompt + generated tokens, below the model's own context (default: the model's)",
+    )
 
 
 def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None) -> ModelConfig:
@@ -106,6 +139,7 @@ def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None)
         backend=backend or args.backend,
         kernel=args.kernel,
         fused_kernels=args.fused,
+        max_context=args.max_model_len,
     )
 
 
@@ -125,7 +159,37 @@ def worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str
     out += ["--model", args.model] if args.model else []
     out += [] if args.fused else ["--no-fused"]
     out += ["--prefix-cache-mb", str(getattr(args, "prefix_cache_mb", PREFIX_CACHE_MB))]
+    out += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     return out + (["--threads", str(threads)] if threads else [])
+
+
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template rendering chat prompts instead of the tokenizer's own",
+    )
+
+
+def chat_template(args: argparse.Namespace) -> str | None:
+    """The text of ``--chat-template FILE`` (None without it); CliError if it cannot be read."""
+    if not args.chat_template:
+        return None
+    try:
+        return Path(args.chat_template).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--chat-template {args.chat_template}: {exc}") from None
+
+
+def check_mode(mode: str) -> None:
+    """Refuse an unknown mode or option name before any model loads (a CliError, exit 2):
+    ``pld:windw=3`` fails in about a second instead of after the model's start-up."""
+    from llm_worker.drafters import DRAFTERS, UnknownModeError
+
+    try:
+        DRAFTERS.check(mode)
+    except UnknownModeError as exc:
+        raise CliError(str(exc)) from None
 
 
 def add_datastore_args(p: argparse.ArgumentParser) -> None:

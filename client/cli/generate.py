@@ -6,18 +6,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from client.cli.common import (
     CliError,
+    add_chat_template_arg,
     add_client_security_args,
     add_datastore_args,
     add_model_args,
     addresses,
+    chat_template,
+    check_mode,
     client_security,
     engine_from_args,
 )
 from llm_worker.config import DEFAULT_MODE
+
+if TYPE_CHECKING:
+    from llm_worker.worker import ModeDescription
 
 
 def add_generate(sub: Any) -> None:
@@ -36,6 +43,8 @@ def add_generate(sub: Any) -> None:
     g.add_argument(
         "--chat", action="store_true", help="apply the model's chat template (PROMPT is one user turn)"
     )
+    g.add_argument("--system", help="with --chat: a system prompt before the user turn")
+    add_chat_template_arg(g)
     g.add_argument(
         "--stream", action="store_true", help="print text as it is generated (to stderr with --json)"
     )
@@ -51,6 +60,9 @@ def add_modes(sub: Any) -> None:
     m = sub.add_parser("modes", help="list drafting modes")
     add_model_args(m)
     add_datastore_args(m)
+    m.add_argument(
+        "--json", action="store_true", help="print one JSON list: name, summary, options, available, reason"
+    )
     m.set_defaults(func=cmd_modes)
 
 
@@ -58,6 +70,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise CliError("the prompt is empty")
+    if (args.system is not None or args.chat_template) and not args.chat:
+        raise CliError("--system and --chat-template apply to chat prompts: add --chat")
+    if args.chat_template and (args.server or args.registry):
+        raise CliError("a worker renders chat with its own template: give --chat-template to serve worker")
     if args.registry and not args.server:
         args.server = _discover(args.registry, args.mode)
     if args.server:
@@ -65,7 +81,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return _generate_local(args, prompt)
 
 
+def _chat(args: argparse.Namespace, prompt: str) -> list[tuple[str, str]]:
+    """The chat of ``--chat``: the prompt as one user turn, after ``--system``'s turn if given."""
+    return ([("system", args.system)] if args.system is not None else []) + [("user", prompt)]
+
+
 def _generate_local(args: argparse.Namespace, prompt: str) -> int:
+    check_mode(args.mode)
+    template = chat_template(args)
     engine, _target, tokenizer = engine_from_args(args)
     from llm_worker.chat import chat_prompt_ids, prompt_ids
     from llm_worker.config import SamplingParams
@@ -76,7 +99,7 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
 
     try:
         ids = (
-            chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+            chat_prompt_ids(tokenizer, [{"role": r, "content": c} for r, c in _chat(args, prompt)], template)
             if args.chat
             else prompt_ids(tokenizer, prompt)
         )
@@ -138,7 +161,7 @@ def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
         seed=args.seed,
     )
     request = (
-        build_request(chat=[("user", prompt)], options=options)
+        build_request(chat=_chat(args, prompt), options=options)
         if args.chat
         else build_request(text=prompt, options=options)
     )
@@ -174,13 +197,40 @@ def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
 
 
 def cmd_modes(args: argparse.Namespace) -> int:
-    engine, target, _tokenizer = engine_from_args(args)
-    from llm_worker.drafters import DRAFTERS
+    engine, _target, tokenizer = engine_from_args(args)
+    from llm_worker.worker import Worker
 
-    available = set(DRAFTERS.available(target, engine.resources))
-    for name in DRAFTERS.names():
-        spec = DRAFTERS.spec(name)
-        opts = f" (options: {', '.join(spec.options)})" if spec.options else ""
-        state = "" if name in available else "  [unavailable here]"
-        sys.stdout.write(f"{name:8s} {spec.summary}{opts}{state}\n")
+    modes = Worker(engine, tokenizer).modes()  # what gRPC ListModes answers, reasons included
+    if args.json:
+        rows = [
+            {
+                "name": m.name,
+                "summary": m.summary,
+                "options": list(m.options),
+                "available": m.available,
+                "unavailable_reason": m.unavailable_reason,
+            }
+            for m in modes
+        ]
+        sys.stdout.write(json.dumps(rows) + "\n")
+    else:
+        sys.stdout.write(modes_text(modes))
     return 0
+
+
+def modes_text(modes: Sequence[ModeDescription]) -> str:
+    """One line per mode, the summaries aligned after the longest name, and under an unavailable
+    mode the reason. Example (abridged):
+
+        ar      plain decoding: no drafts
+        rest    drafts from a datastore of text (options: ...)
+                unavailable here: rest needs a datastore (--datastore or --datastore-addr)
+    """
+    width = max((len(m.name) for m in modes), default=0)
+    lines = []
+    for m in modes:
+        opts = f" (options: {', '.join(m.options)})" if m.options else ""
+        lines.append(f"{m.name:<{width}}  {m.summary}{opts}")
+        if not m.available:
+            lines.append(f"{'':<{width}}  unavailable here: {m.unavailable_reason}")
+    return "".join(line + "\n" for line in lines)

@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
 from client.cli.common import (
     CliError,
+    add_chat_template_arg,
     add_client_security_args,
     add_datastore_args,
     add_model_args,
     add_server_security_args,
     addresses,
+    chat_template,
     client_security,
     engine_from_args,
     positive_int,
@@ -31,6 +34,12 @@ def add_serve(sub: Any) -> None:
     w.add_argument("--port", type=int, default=50051, help="0 = any free port")
     _add_worker_args(w, "RESOURCE_EXHAUSTED")
     w.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    w.add_argument(
+        "--log-interval",
+        type=float,
+        default=30.0,
+        help="seconds between one-line throughput summaries on stderr while busy (0 = none)",
+    )
     w.add_argument(
         "--registry", default=None, help="publish this worker in a registry: redis://HOST:PORT[/DB]"
     )
@@ -116,6 +125,7 @@ def _add_worker_args(p: argparse.ArgumentParser, refusal: str) -> None:
     p.add_argument("--max-batch-rows", type=int, default=512, help="most new tokens in one batched forward")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time on SIGTERM")
     p.add_argument("--default-max-new-tokens", type=int, default=256)
+    add_chat_template_arg(p)
     p.add_argument("--worker-id", default=None)
     p.add_argument(
         "--no-warm", dest="warm", action="store_false", help="skip measuring the cost curve at start"
@@ -145,6 +155,7 @@ def _worker(args: argparse.Namespace) -> Any:
     """The ``Worker`` of the model, datastore and worker options, ready for traffic."""
     if args.max_batch_rows < 1:
         raise CliError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
+    template = chat_template(args)
     engine, _, tokenizer = engine_from_args(args)
     if args.batching:
         from llm_worker.batching import BatchingConfig
@@ -156,10 +167,21 @@ def _worker(args: argparse.Namespace) -> Any:
             resources=engine.resources,
             batching=BatchingConfig(args.max_batch_rows),
         )
+    from llm_worker.chat import chat_prompt_ids
     from llm_worker.worker import Worker
 
+    if template is not None:  # a template that does not render fails here, not at every request
+        try:
+            chat_prompt_ids(tokenizer, [{"role": "user", "content": "hello"}], template)
+        except ValueError as exc:
+            raise CliError(f"--chat-template {args.chat_template}: {exc}") from None
+
     worker = Worker(
-        engine, tokenizer, worker_id=args.worker_id, default_max_new_tokens=args.default_max_new_tokens
+        engine,
+        tokenizer,
+        worker_id=args.worker_id,
+        default_max_new_tokens=args.default_max_new_tokens,
+        chat_template=template,
     )
     if args.warm:
         engine.cost_curve  # measure (or load) the verify cost curve before taking traffic  # noqa: B018
@@ -184,7 +206,11 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
         max_prompt_bytes=args.max_prompt_bytes,
         max_generation_seconds=args.max_generation_seconds,
         health_port=args.health_port,
+        log_interval_seconds=args.log_interval,
     )
+    # The start-up summary, the throughput lines and the drain are the worker's own log: shown
+    # without -v, as the "listening on" line is.
+    logging.getLogger("llm_worker.server").setLevel(logging.INFO)
     try:
         registry = open_registry(args.registry, ttl=args.registry_ttl) if args.registry else None
     except ValueError as exc:

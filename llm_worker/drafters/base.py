@@ -348,13 +348,23 @@ class DrafterRegistry:
             known = ", ".join(self._specs)
             raise UnknownModeError(f"unknown mode {shorten(name)!r}; known modes: {known}") from None
 
-    def create(self, mode: str, target: TargetModel, resources: DraftResources | None = None) -> Drafter:
+    def check(self, mode: str) -> tuple[DrafterSpec, dict[str, str]]:
+        """(spec, options) of ``mode`` if its name is registered and it names only options that
+        mode takes, else ``UnknownModeError``; builds nothing and needs no model, so a command can
+        refuse a mistyped mode before it loads one. Option values are checked by ``create``.
+        Example: ``check("pld:max_n=4")`` → (pld's spec, ``{"max_n": "4"}``); ``check("pld:window=3")``
+        → "mode 'pld' takes options [...], not ['window']"."""
         name, options = parse_mode(mode)
         spec = self.spec(name)
         unknown = set(options) - set(spec.options)
         if unknown:
             given = shorten(str(sorted(unknown)))
             raise UnknownModeError(f"mode {name!r} takes options {list(spec.options) or 'none'}, not {given}")
+        return spec, options
+
+    def create(self, mode: str, target: TargetModel, resources: DraftResources | None = None) -> Drafter:
+        spec, options = self.check(mode)
+        name = spec.name
         drafter = spec.factory(target, options, resources or DraftResources())
         drafter.name = name
         try:

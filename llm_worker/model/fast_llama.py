@@ -48,10 +48,14 @@ from llm_worker.model.kv_pool import GROW, KVPool
 from llm_worker.model.ops import OPS, Ops, OpsContext, OpsFactory
 from llm_worker.model.target import TargetInfo
 from llm_worker.verify.tree import TreeBuffers
+from specdraft.common import Progress
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 ATTENTION_CHUNK = 256  # keys per reduction chunk of the torch attention (divides kv_pool.GROW)
 POOL_SLOTS = 16  # requests whose caches share the pool (more get caches of their own)
+PACK_WEIGHTS_PER_SECOND = 15e6
+"""Weights packed into exact 4-/8-bit blocks a second (``quant.pack_exact``, at every load) on a
+busy 2-core EPYC: the estimate of the progress line of a load that packs for 5 s or more."""
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -170,19 +174,31 @@ class FastLlamaTarget(Forward):
         theirs) or on torch's OpenMP threads (GEMMs on oneDNN/MKL, whose OpenMP workers would spin
         against the pool's)."""
         linear = self.ops.linear
+        packed = sum(
+            w.numel() for role, ws in weights.items() for w, _ in ws if self.kernels[role].library == "quant"
+        )
+        estimate = packed / PACK_WEIGHTS_PER_SECOND
+        progress = (
+            Progress("packing the weights into 4-/8-bit blocks", estimate, note="") if estimate >= 5 else None
+        )
         try:
             self.lm_head = linear(*weights["lm_head"][0], self.kernels["lm_head"])
-            self.layers = [
-                Layer(
-                    ln_attn=layer.input_layernorm.weight.detach(),
-                    qkv=linear(*weights["qkv"][i], self.kernels["qkv"]),
-                    o=linear(*weights["o"][i], self.kernels["o"]),
-                    ln_mlp=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=linear(*weights["gate_up"][i], self.kernels["gate_up"]),
-                    down=linear(*weights["down"][i], self.kernels["down"]),
+            self.layers = []
+            for i, layer in enumerate(inner.layers):
+                self.layers.append(
+                    Layer(
+                        ln_attn=layer.input_layernorm.weight.detach(),
+                        qkv=linear(*weights["qkv"][i], self.kernels["qkv"]),
+                        o=linear(*weights["o"][i], self.kernels["o"]),
+                        ln_mlp=layer.post_attention_layernorm.weight.detach(),
+                        gate_up=linear(*weights["gate_up"][i], self.kernels["gate_up"]),
+                        down=linear(*weights["down"][i], self.kernels["down"]),
+                    )
                 )
-                for i, layer in enumerate(inner.layers)
-            ]
+                if progress is not None:
+                    progress.update((i + 1) / len(inner.layers))
+            if progress is not None:
+                progress.done()
         except RuntimeError as exc:  # a forced kernel this processor cannot run (--kernel)
             chosen = ", ".join(f"{role} {k.name}" for role, k in self.kernels.items())
             raise ValueError(f"GEMM kernels ({chosen}) cannot run on this machine: {exc}") from None
@@ -239,6 +255,12 @@ class FastLlamaTarget(Forward):
         if self.kernel_report is not None:
             info["gemm_kernel_candidates"] = self.kernel_report.to_json()
         return info
+
+    def kv_cache_usage(self) -> tuple[int, int] | None:
+        """The pool's slots in use and its most slots (a request the full pool cannot take keeps
+        buffers of its own and is not counted); None without a pool (``pool_slots`` 0)."""
+        used, total = self._pool.usage()
+        return (used, total) if total else None
 
     # -- the torch operations' own steps (tests call them on the target) ----------------------
 

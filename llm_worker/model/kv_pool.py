@@ -51,6 +51,11 @@ class KVPool:
             self._resize(min(self.max_slots, max(1, 2 * self.slots)), self.capacity)
         return heapq.heappop(self._free)
 
+    def usage(self) -> tuple[int, int]:
+        """(slots held by requests now, most slots the pool may have). Example: a pool of 8 whose
+        buffer has grown to 4 slots, 1 of them free → (3, 8)."""
+        return self.slots - len(self._free) - len(self._released), self.max_slots
+
     def release(self, slot: int) -> None:
         self._released.append(slot)  # list.append is atomic: safe from a finalizer in any thread
 

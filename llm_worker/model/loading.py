@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -111,13 +112,43 @@ def default_model_dir() -> Path:
     return convert_gguf(gguf, out, DEFAULT_MODEL_ID)
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A Hugging Face Hub model id, ``ORG/NAME``: ``HuggingFaceTB/SmolLM2-135M-Instruct``."""
+
+
 def resolve_model_dir(path: str | None) -> Path:
+    """The model directory ``path`` names: None or "default" (the default model), a directory
+    holding ``config.json``, or a Hub id (``ORG/NAME``) already in the local Hugging Face cache
+    (``$HF_HUB_CACHE``, by default ``~/.cache/huggingface/hub``; its ``main`` snapshot). Nothing
+    is downloaded: a Hub id not in the cache is a ``ModelNotFoundError`` that says how to get it.
+    """
     if path is None or path == "default":
         return default_model_dir()
     p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
+    if (p / "config.json").is_file():
+        return p
+    if p.exists() or not HUB_ID.fullmatch(path):
         raise ModelNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
-    return p
+    return cached_hub_model(path)
+
+
+def cached_hub_model(repo_id: str) -> Path:
+    """The ``main`` snapshot of Hub model ``repo_id`` in the local Hugging Face cache, found
+    without the network (``snapshot_download(local_files_only=True)``)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot = Path(str(snapshot_download(repo_id, local_files_only=True)))
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"{repo_id} is neither a model directory nor a Hub model in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); nothing is downloaded here: run `hf download {repo_id}` "
+            "where there is network and copy the cache (or set HF_HUB_CACHE), or pass --model DIR"
+        ) from None
+    if not (snapshot / "config.json").is_file():
+        raise ModelNotFoundError(f"the cached snapshot {snapshot} of {repo_id} has no config.json")
+    return snapshot
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -35,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from specdraft.common import cache_root, file_lock
+from specdraft.common import Progress, cache_root, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,19 @@ def load() -> ModuleType | None:
     return module
 
 
+def describe() -> str:
+    """Whether the kernels can run here, without building them (``specdraft --version``):
+    ``"yes (built in DIR)"``, ``"yes (compiled on first use, about 30 s)"`` or ``"no: REASON"``."""
+    name = build_name()
+    library = native_dir() / name / f"{name}.so"
+    reason = unavailable_reason(build=not library.is_file())
+    if reason is not None:
+        return f"no: {reason}"
+    if not library.is_file():
+        return "yes (compiled on first use, about 30 s)"
+    return f"yes (built in {library.parent})"
+
+
 @contextmanager
 def serial_torch(on: bool = True) -> Iterator[None]:
     """torch's own operations run on the calling thread alone inside (``on``); the fused
@@ -146,11 +159,18 @@ def serial_torch(on: bool = True) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+BUILD_SECONDS = 40.0
+"""About how long the first build takes on 2 cores (the estimate its progress lines start from)."""
+
+
 def _build(name: str, directory: Path, sources: tuple[Path, ...]) -> ModuleType:
+    """Compile (or, when up to date, only load) the kernels; a first build writes progress
+    lines (``specdraft.common.Progress``), a later one is silent."""
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    with file_lock(directory.with_name(name + ".lock")):
+    first = not (directory / f"{name}.so").is_file()
+    with file_lock(directory.with_name(name + ".lock")), _compiling(first):
         # torch's own build lock (a file it deletes when done): one left by a build that was
         # killed makes every later build wait for it forever. Under our lock no other process
         # of ours is building here, so such a file is stale.
@@ -163,6 +183,16 @@ def _build(name: str, directory: Path, sources: tuple[Path, ...]) -> ModuleType:
             build_directory=str(directory),
             verbose=False,
         )
+
+
+@contextmanager
+def _compiling(first: bool) -> Iterator[None]:
+    if not first:
+        yield
+        return
+    progress = Progress("compiling the fused CPU kernels for this processor", BUILD_SECONDS)
+    with progress.ticking():
+        yield
 
 
 def main() -> int:

@@ -257,6 +257,11 @@ class TargetModel(ABC):
         """How the forward computes (kernel choices, what was measured to make them), for reports."""
         return {}
 
+    def kv_cache_usage(self) -> tuple[int, int] | None:
+        """(requests' KV caches held in the shared pool now, the pool's capacity in caches), for
+        the worker's ``specdraft_kv_cache_usage_perc``; None: this target has no such pool."""
+        return None
+
 
 def weights_fingerprint(config: dict[str, Any], embed: torch.Tensor) -> str:
     """A short id of a checkpoint: its architecture plus a sample of its embedding matrix."""
