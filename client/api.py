@@ -28,7 +28,7 @@ from llm_worker.chat import chat_prompt_ids
 from llm_worker.config import DEFAULT_MODE, DType, ModelConfig
 from llm_worker.config import SamplingParams as EngineSampling
 from llm_worker.drafters import DRAFTERS
-from llm_worker.results import CopiedSpan, GenerationResult
+from llm_worker.results import CopiedSpan, GenerationResult, TokenLogprob
 from llm_worker.stats import GenerationStats
 from llm_worker.worker import Worker, WorkRequest
 
@@ -41,8 +41,8 @@ class SamplingParams:
     """How one request samples and when it stops (vLLM's names).
 
     Unlike vLLM, ``temperature`` defaults to 0: greedy decoding, where every mode's output is
-    token for token that of ``ar``. ``stop``, ``stop_token_ids``, ``logprobs`` and the penalties
-    are accepted by name but refused as "not supported yet" unless left at their defaults.
+    token for token that of ``ar``. Stops, logprobs and penalties are exact in every mode too
+    (docs/losslessness.md).
     """
 
     temperature: float = 0.0
@@ -57,11 +57,17 @@ class SamplingParams:
     ignore_eos: bool = False
     """Go on past the end-of-sequence token up to ``max_tokens``."""
     stop: str | Sequence[str] | None = None
+    """Stop strings (at most 4): the text ends before the first one generated."""
     stop_token_ids: Sequence[int] | None = None
+    """Token ids that end the generation, as the end-of-sequence token does."""
     logprobs: int | None = None
+    """None: none; k: each generated token's log-probability under the model, with its k
+    likeliest alternatives (0..20), in ``CompletionOutput.logprobs``."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    """OpenAI's presence and frequency penalties (over generated tokens, in [-2, 2]) and the
+    transformers / vLLM repetition penalty (over prompt and generated tokens, > 0; 1 = none)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,12 @@ class CompletionOutput:
     token_ids: list[int]
     """The generated tokens, an end-of-sequence token included if one was produced."""
     finish_reason: str
-    """``stop`` (end of sequence) or ``length`` (``max_tokens`` reached)."""
+    """``stop`` (end of sequence, a stop string or stop token id) or ``length`` (``max_tokens``)."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it; None otherwise (vLLM's field)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per generated token when ``SamplingParams.logprobs`` asked for them: its log-probability
+    and its likeliest alternatives (token id, log-probability)."""
 
 
 @dataclass(frozen=True)
@@ -116,24 +127,19 @@ def work_request(
     tenant: str = "",
 ) -> WorkRequest:
     """The worker's request for ``text`` or ``chat`` under ``params``; the one place that maps
-    this API's options. Options the engine does not implement yet are refused here: e.g.
-    ``SamplingParams(stop=["\\n"])`` → ValueError("stop: not supported yet ...")."""
-    defaults = SamplingParams()
-    not_yet = [
-        name
-        for name in ("stop", "stop_token_ids", "logprobs")
-        if getattr(params, name) not in (None, "", (), [])
-    ]
-    not_yet += [
-        name
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-        if getattr(params, name) != getattr(defaults, name)
-    ]
-    if not_yet:
-        raise ValueError(f"{', '.join(not_yet)}: not supported yet (leave them at their defaults)")
+    this API's options (the worker checks their values: ``Worker.to_engine``)."""
     if params.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-    sampling = EngineSampling(params.temperature, params.top_p, max(params.top_k, 0), params.seed)
+    sampling = EngineSampling(
+        params.temperature,
+        params.top_p,
+        max(params.top_k, 0),
+        params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+    )
+    stop = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
     turns = None if chat is None else tuple((m["role"], m["content"]) for m in chat)
     return WorkRequest(
         text=text,
@@ -143,6 +149,9 @@ def work_request(
         sampling=sampling,
         ignore_eos=params.ignore_eos,
         tenant=tenant,
+        stop=stop,
+        stop_token_ids=tuple(params.stop_token_ids or ()),
+        logprobs=params.logprobs,
     )
 
 
@@ -259,6 +268,8 @@ class LLM:
         result = self.worker.engine.generate(gen)
         tokenizer = self.worker.tokenizer
         prompt = req.text if req.text is not None else tokenizer.decode(list(gen.prompt_ids))
-        text = self.worker.decode(result.token_ids)
-        output = CompletionOutput(0, text, list(result.token_ids), result.finish_reason)
+        text = self.worker.text(result, req.stop)
+        output = CompletionOutput(
+            0, text, list(result.token_ids), result.finish_reason, result.stop_reason, result.logprobs
+        )
         return RequestOutput(prompt, list(gen.prompt_ids), [output], result)

@@ -68,6 +68,12 @@ class RequestOptions:
     speculation_off: bool = False
     ignore_eos: bool = False
     tenant: str = ""  # online drafting's namespace, inside the caller's token's own
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one reached
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k: each token's, with k alternatives (0..20)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 def build_request(
@@ -78,7 +84,12 @@ def build_request(
     options: RequestOptions = RequestOptions(),
 ) -> generation_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
-        temperature=options.temperature, top_p=options.top_p, top_k=options.top_k
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,
     )
     if options.seed is not None:
         sampling.seed = options.seed
@@ -90,7 +101,11 @@ def build_request(
         speculation_off=options.speculation_off,
         ignore_eos=options.ignore_eos,
         tenant=options.tenant,
+        stop=options.stop,
+        stop_token_ids=options.stop_token_ids,
     )
+    if options.logprobs is not None:
+        req.logprobs = options.logprobs
     if text is not None:
         req.text = text
     elif token_ids is not None:

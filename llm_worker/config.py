@@ -68,10 +68,23 @@ class SamplingParams:
     """Keep the k most likely tokens; 0 keeps all."""
     seed: int | None = None
     """Seed of the request's random generator; None draws one."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the request has generated at least
+    once (in [-2, 2]; 0 changes nothing). The prompt does not count."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per time the request has generated the token (in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Hugging Face's and vLLM's: the logit of every token in the prompt or generated so far is
+    divided by it where positive, multiplied by it where not (> 0; 1 changes nothing)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes any logit (``llm_worker.penalties``)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
         if not (0.0 <= self.temperature < math.inf):
@@ -80,6 +93,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
 
 @dataclass(frozen=True)

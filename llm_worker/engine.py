@@ -26,15 +26,17 @@ from llm_worker.config import DEFAULT_MODE, EngineConfig, SamplingParams
 from llm_worker.costs import CurveCheck, measure_curve_and_cache
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
 from llm_worker.drafters.base import storage_bytes
-from llm_worker.logits import argmax
+from llm_worker.logits import MAX_LOGPROBS, token_logprob
 from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
+from llm_worker.penalties import Penalties
 from llm_worker.planner import ALONE, BatchLoad, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
 from llm_worker.prefix_cache import PrefixCache
-from llm_worker.results import GenerationResult, Provenance
-from llm_worker.sampling import SamplingNoise, warp_logits
+from llm_worker.results import GenerationResult, Provenance, TokenLogprob
+from llm_worker.sampling import SamplingNoise
 from llm_worker.speculation import Pricer, SpeculationPolicy
 from llm_worker.stats import GenerationStats
+from llm_worker.stopping import StopStrings
 from llm_worker.types import NO_SOURCE, ArtifactKey, ArtifactNeeds, Draft, DraftTree
 from llm_worker.verify.steps import decider, verification_for
 
@@ -74,6 +76,14 @@ class GenerationRequest:
     """The namespace of online drafting: a drafter that learns from what the service said
     drafts for this request from this tenant's text only (a server derives it from the caller's
     credential and the request, ``specdraft.security.tenant_namespace``)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop after generating any of these (included in the output), ``stop_at_eos`` or not."""
+    stop: StopStrings | None = field(default=None, compare=False)
+    """Stop strings and how to decode (built by a worker, which knows the tokenizer): the
+    output stops at the token whose text completes one."""
+    logprobs: int | None = None
+    """None: no log-probabilities; k in 0..20: each generated token's, with its k likeliest
+    alternatives (``llm_worker.logits.token_logprob``)."""
 
 
 @dataclass(frozen=True)
@@ -173,12 +183,15 @@ class _Output:
     def __init__(self, req: GenerationRequest, eos_ids: tuple[int, ...]) -> None:
         self.max_new = req.max_new_tokens
         self.eos = set(eos_ids) if req.stop_at_eos else set()
+        self.stop_ids = set(req.stop_token_ids)
+        self.stop_watch = req.stop.watch() if req.stop is not None else None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.tokens = np.zeros(len(req.prompt_ids) + req.max_new_tokens + 1, dtype=np.int64)  # [capacity]
         self.tokens[: len(req.prompt_ids)] = req.prompt_ids
         self.length = len(req.prompt_ids)
         self.generated: list[int] = []
         self.provenance = Provenance()
-        self.finish = ""  # "stop" (end-of-sequence token) or "length" once finished
+        self.finish = ""  # "stop" (end of sequence, a stop token id or string) or "length" once finished
 
     @property
     def root(self) -> int:
@@ -188,7 +201,9 @@ class _Output:
         return self.tokens[: self.length]
 
     def emit(self, tokens: list[int], sources: list[int], drafter: str) -> list[int]:
-        """Append tokens up to an end-of-sequence token or the length limit; return those kept."""
+        """Append tokens up to an end-of-sequence token, a stop (token id or string) or the
+        length limit; return those kept. A stop inside an accepted draft cuts it there: the
+        tokens after it are never emitted, as plain decoding would never have made them."""
         kept = []
         for token, source in zip(tokens, sources, strict=True):
             self.provenance.add(len(self.generated), source, drafter)
@@ -198,6 +213,13 @@ class _Output:
             self.length += 1
             if token in self.eos:
                 self.finish = "stop"
+                break
+            if token in self.stop_ids:
+                self.finish, self.stop_reason = "stop", token
+                break
+            matched = self.stop_watch(token) if self.stop_watch is not None else None
+            if matched is not None:
+                self.finish, self.stop_reason = "stop", matched
                 break
             if len(self.generated) >= self.max_new:
                 self.finish = "length"
@@ -350,6 +372,13 @@ class Engine:
             raise InvalidRequestError(f"draft_budget must be >= 0, got {req.draft_budget}")
         if req.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        bad = [t for t in req.stop_token_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})"
+            )
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
         total = len(req.prompt_ids) + req.max_new_tokens
         if total > info.max_context:
             raise InvalidRequestError(
@@ -513,7 +542,9 @@ class Engine:
         drafter, planner = rt.drafter, rt.planners[req.sampling.greedy]
         needs, sampling = drafter.needs, req.sampling
         noise = SamplingNoise(sampling.seed, target.info.vocab_size)
-        decide = decider(sampling, noise)
+        penalties = Penalties(sampling, req.prompt_ids) if sampling.penalized else None
+        decide = decider(sampling, noise, penalties)
+        logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
         stats = GenerationStats()
         began = time.perf_counter()
 
@@ -526,16 +557,17 @@ class Engine:
         if cache is not None:
             self._store_prefix(cache, target, state, artifacts, req)
         stats.cached_prompt_tokens = cached
-        first = (
-            argmax(logits)
-            if sampling.greedy
-            else noise.choose(warp_logits(logits[None], sampling)[0], len(req.prompt_ids))
-        )
+        first = decide(logits[None], DraftTree.empty(), len(req.prompt_ids)).bonus
         policy = SpeculationPolicy(planner, rt.lock, drafter.gated, root_logits=logits)
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
         request_state = RequestState(tenant=req.tenant)
-        yield StepOutput(out.emit([first], [NO_SOURCE], drafter.name))
+        emitted = out.emit([first], [NO_SOURCE], drafter.name)
+        if penalties is not None:
+            penalties.commit(emitted)
+        if logprobs is not None:
+            logprobs.append(token_logprob(logits, first, req.logprobs or 0))
+        yield StepOutput(emitted)
 
         while not out.finish:
             # propose
@@ -565,6 +597,12 @@ class Engine:
             # observe
             root = out.root
             emitted = out.emit(step.tokens, step.sources, drafter.name)
+            if penalties is not None:
+                penalties.commit(emitted)
+            if logprobs is not None:  # token i was decided by committed row i of the forward
+                rows, top = step.forward.logits, req.logprobs or 0
+                deciding = zip(step.rows, emitted, strict=False)  # emitted may stop short of the rows
+                logprobs.extend(token_logprob(rows[r], t, top) for r, t in deciding)
             if session is not None:
                 session.observe(len(step.tokens))
             if drafter.candidates and isinstance(step.decided, DraftTree):
@@ -587,4 +625,7 @@ class Engine:
                 drafter.finish(request_state, out.context(), len(req.prompt_ids))
         stats.seconds = time.perf_counter() - began
         version = request_state.datastore_version
-        yield GenerationResult(out.generated, req.mode, out.finish, stats, out.provenance.spans, version)
+        spans = out.provenance.spans
+        yield GenerationResult(
+            out.generated, req.mode, out.finish, stats, spans, version, out.stop_reason, logprobs
+        )

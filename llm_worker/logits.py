@@ -1,4 +1,5 @@
-"""Per-step reductions over the vocabulary: greedy argmax and the top-1 probability.
+"""Per-step reductions over the vocabulary: greedy argmax, the top-1 probability, and the
+log-probabilities a request asks for.
 
 On the CPU they run in numpy, on one thread. torch splits a reduction over 49 k logits between
 its OpenMP threads, whose workers then spin for a while after it; the fused kernels' own pool
@@ -14,6 +15,8 @@ import threading
 
 import numpy as np
 import torch
+
+from llm_worker.results import TokenLogprob
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -48,3 +51,19 @@ def _scratch(size: int) -> np.ndarray:
     if buffer is None or buffer.shape[0] != size:
         buffer = _local.buffer = np.empty(size, dtype=np.float32)
     return buffer
+
+
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask for per token (OpenAI's and vLLM's limit)."""
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``logits`` [vocab]: the row that decided ``token`` → its log-softmax at ``token`` and the
+    ``top`` likeliest entries (float32). One row at a time, so that ``ar``'s rows and a draft
+    tree's give the same bits wherever their logits are the same bits."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(logp, min(top, logp.shape[-1]))
+        alternatives = tuple(zip((int(i) for i in ids.tolist()), values.tolist(), strict=True))
+    return TokenLogprob(int(token), float(logp[token]), alternatives)

@@ -57,14 +57,40 @@ class Provenance:
             self.spans.append(CopiedSpan(output_index, source, 1, drafter))
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target, and its likeliest alternatives.
+
+    The raw model's: the log-softmax of the target's logits row that decided the token, before
+    penalties, temperature, top-k or top-p (vLLM's default, ``raw_logprobs``). ``top``: the k
+    likeliest tokens of that row, likeliest first (it may or may not hold ``token_id``).
+    Example: TokenLogprob(42, -0.105, ((42, -0.105), (7, -2.41))).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # [k] (token id, log-probability)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "top": [{"token_id": t, "logprob": lp} for t, lp in self.top],
+        }
+
+
 @dataclass
 class GenerationResult:
-    token_ids: list[int]  # generated tokens only (an end-of-sequence token included)
+    token_ids: list[int]  # generated tokens only (an end-of-sequence or stop token included)
     mode: str
-    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    finish_reason: str  # "stop" (end-of-sequence token, stop token id or stop string) or "length"
     stats: GenerationStats
     provenance: list[CopiedSpan]
     datastore_version: str = ""  # the datastore version that drafted, if any
+    stop_reason: str | int | None = None
+    """Which stop ended it: the stop string, or the stop token id; None for an end-of-sequence
+    token or the length limit (vLLM's ``stop_reason``)."""
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request asked for them
 
     def to_json(self, text: str, prompt_tokens: int) -> dict[str, Any]:
         """The result as ``specdraft generate --json`` prints it, in process or through a worker
@@ -80,6 +106,10 @@ class GenerationResult:
         }
         if self.datastore_version:
             payload["datastore_version"] = self.datastore_version
+        if self.stop_reason is not None:
+            payload["stop_reason"] = self.stop_reason
+        if self.logprobs is not None:
+            payload["logprobs"] = [lp.to_json() for lp in self.logprobs]
         return payload
 
 
@@ -106,7 +136,7 @@ def to_response(
         )
         for s in result.provenance
     ]
-    return generation_pb2.GenerateResponse(
+    resp = generation_pb2.GenerateResponse(
         text=text,
         token_ids=result.token_ids,
         mode=result.mode,
@@ -117,6 +147,14 @@ def to_response(
         worker_id=worker_id,
         datastore_version=result.datastore_version,
     )
+    if isinstance(result.stop_reason, str):
+        resp.stop_string = result.stop_reason
+    elif result.stop_reason is not None:
+        resp.stop_token_id = result.stop_reason
+    for lp in result.logprobs or ():
+        top = [generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+        resp.logprobs.append(generation_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top))
+    return resp
 
 
 def from_response(resp: generation_pb2.GenerateResponse) -> GenerationResult:
@@ -131,8 +169,19 @@ def from_response(resp: generation_pb2.GenerateResponse) -> GenerationResult:
         draft_seconds=s.draft_seconds,
         verify_seconds=s.verify_seconds,
         seconds=s.seconds,
+        cached_prompt_tokens=s.cached_prompt_tokens,
     )
     spans = [CopiedSpan(p.output_start, p.source_start, p.length, p.drafter) for p in resp.provenance]
+    kind = resp.WhichOneof("stop_reason")
+    stop_reason: str | int | None = None
+    if kind == "stop_string":
+        stop_reason = resp.stop_string
+    elif kind == "stop_token_id":
+        stop_reason = resp.stop_token_id
+    logprobs = [
+        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+        for lp in resp.logprobs
+    ]
     return GenerationResult(
         token_ids=list(resp.token_ids),
         mode=resp.mode,
@@ -140,4 +189,6 @@ def from_response(resp: generation_pb2.GenerateResponse) -> GenerationResult:
         stats=stats,
         provenance=spans,
         datastore_version=resp.datastore_version,
+        stop_reason=stop_reason,
+        logprobs=logprobs or None,  # a generation has at least one token: none means not asked
     )

@@ -100,6 +100,9 @@ def to_work_request(msg: generation_pb2.GenerateRequest) -> WorkRequest:
         top_p=1.0 if s.top_p == 0 else s.top_p,  # 0: unset; NaN or a negative value is refused
         top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=1.0 if s.repetition_penalty == 0 else s.repetition_penalty,  # 0: unset
     )
     return WorkRequest(
         text=msg.text if kind == "text" else None,
@@ -112,6 +115,9 @@ def to_work_request(msg: generation_pb2.GenerateRequest) -> WorkRequest:
         speculation_off=msg.speculation_off,
         ignore_eos=msg.ignore_eos,
         tenant=msg.tenant,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -283,7 +289,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         async with self._observed(call):
             async for item, prompt_tokens in self._steps(request, context, call):
                 if isinstance(item, GenerationResult):
-                    text = self.worker.decode(item.token_ids)
+                    text = self.worker.text(item, request.stop)
                     return to_response(item, text, prompt_tokens, self.worker.worker_id)
             await self._abort(context, call, grpc.StatusCode.INTERNAL, "generation ended without a result")
         raise AssertionError("unreachable")
@@ -292,7 +298,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         call = _Call(request, "GenerateStream")
-        stream = TextStream(self.worker.decode)
+        stream = TextStream(self.worker.decode, request.stop)
         async with self._observed(call):
             async for item, prompt_tokens in self._steps(request, context, call):
                 if isinstance(item, StepOutput):
@@ -304,7 +310,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if rest:  # text held back for an unfinished character: the tokens never finished it
                         yield generation_pb2.GenerateChunk(text=rest)
                     final = to_response(
-                        item, self.worker.decode(item.token_ids), prompt_tokens, self.worker.worker_id
+                        item, self.worker.text(item, request.stop), prompt_tokens, self.worker.worker_id
                     )
                     yield generation_pb2.GenerateChunk(final=final)
 

@@ -125,6 +125,15 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root's first child down to ``node``, inclusive (-1: none).
+        Example: tokens (5, 6, 7, 8), parents (-1, 0, 1, 0): path(3) = [5, 8]."""
+        tokens: list[int] = []
+        while node >= 0:
+            tokens.append(self.tokens[node])
+            node = self.parents[node]
+        return tokens[::-1]
+
     def source(self, node: int) -> int:
         return self.sources[node] if self.sources else NO_SOURCE
 

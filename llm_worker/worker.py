@@ -16,6 +16,7 @@ from llm_worker.drafters import DRAFTERS, ModeUnavailableError, UnknownModeError
 from llm_worker.engine import Engine, GenerationRequest, InvalidRequestError, StepOutput
 from llm_worker.model.target import TargetInfo
 from llm_worker.results import GenerationResult
+from llm_worker.stopping import StopStrings, cut_at_stop
 from specdraft.common import shorten
 from specdraft.tokenizer import Tokenizer
 
@@ -40,6 +41,13 @@ class WorkRequest:
     speculation_off: bool = False
     ignore_eos: bool = False
     tenant: str = ""  # online drafting's namespace (``GenerationRequest.tenant``)
+    stop: tuple[str, ...] = ()
+    """Stop strings (at most 4, none empty): the text ends before the first one reached."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop after generating any of these token ids (they are kept in the output)."""
+    logprobs: int | None = None
+    """None: none; 0: each generated token's log-probability; k in 1..20: plus its k likeliest
+    alternatives."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,14 @@ class Worker:
         mode = DEFAULT_MODE if req.speculation_off or not req.mode else req.mode
         if req.draft_budget < 0 or req.max_new_tokens < 0:
             raise BadRequest("draft_budget and max_new_tokens must be >= 0")
+        stop = None
+        if req.stop:
+            if self.tokenizer is None:
+                raise BadRequest("this worker has no tokenizer: stop strings need one (send stop_token_ids)")
+            try:
+                stop = StopStrings(req.stop, self.decode)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
         gen = GenerationRequest(
             prompt_ids=tuple(ids),
             max_new_tokens=req.max_new_tokens or self.default_max_new_tokens,
@@ -113,6 +129,9 @@ class Worker:
             stop_at_eos=not req.ignore_eos,
             draft_budget=req.draft_budget or None,
             tenant=req.tenant,
+            stop_token_ids=tuple(req.stop_token_ids),
+            stop=stop,
+            logprobs=req.logprobs,
         )
         try:
             self.engine.validate(gen)
@@ -131,6 +150,11 @@ class Worker:
         if self.tokenizer is None:
             return ""
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def text(self, result: GenerationResult, stop: Sequence[str] = ()) -> str:
+        """The result's text: its tokens decoded, ending before the first of the request's
+        ``stop`` strings (the token that completed it stays in ``result.token_ids``)."""
+        return cut_at_stop(self.decode(result.token_ids), stop)
 
     # -- descriptions -----------------------------------------------------------------------
 

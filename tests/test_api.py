@@ -7,7 +7,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -115,21 +114,28 @@ def test_a_mistyped_mode_is_refused_before_the_model_loads() -> None:
         LLM("/nonexistent/model", mode="pld+h:layr=3")
 
 
-@pytest.mark.parametrize(
-    "given",
-    [
-        {"stop": ["\n"]},
-        {"stop": "END"},
-        {"stop_token_ids": [2]},
-        {"logprobs": 0},
-        {"presence_penalty": 0.5},
-        {"frequency_penalty": -0.1},
-        {"repetition_penalty": 1.1},
-    ],
-)
-def test_request_features_not_wired_yet_are_refused(given: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=f"{next(iter(given))}: not supported yet"):
-        work_request(SamplingParams(**given), "ar", text="hi")
+def test_stops_logprobs_and_penalties_reach_the_engine(llm: LLM) -> None:
+    """Each mode stops where ``ar`` stops, on a stop string cut out of ``ar``'s own text (ending
+    mid-output, so a draft may cross it), with ``ar``'s logprobs bit for bit; penalties as ``ar``."""
+    ar = llm.generate("Count: one two three", SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    text = ar.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop=stop, logprobs=2, repetition_penalty=1.2)
+    ref = llm.generate("Count: one two three", params)[0].outputs[0]
+    assert ref.finish_reason == "stop" and ref.stop_reason == stop and stop not in ref.text
+    assert ref.logprobs is not None and len(ref.logprobs) == len(ref.token_ids)
+    assert all(len(lp.top) == 2 for lp in ref.logprobs)
+    for mode in ("pld", "suffix"):
+        got = llm.generate("Count: one two three", params, mode=mode)[0].outputs[0]
+        assert (got.token_ids, got.text, got.logprobs) == (ref.token_ids, ref.text, ref.logprobs), mode
+
+
+def test_the_worker_checks_request_feature_values() -> None:
+    req = work_request(SamplingParams(stop="END", stop_token_ids=[2], logprobs=3), "ar", text="hi")
+    assert (req.stop, req.stop_token_ids, req.logprobs) == (("END",), (2,), 3)
+    req = work_request(SamplingParams(presence_penalty=0.5, repetition_penalty=1.1), "ar", text="hi")
+    assert (req.sampling.presence_penalty, req.sampling.repetition_penalty) == (0.5, 1.1)
 
 
 def test_the_mapping_of_sampling_params() -> None:

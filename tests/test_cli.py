@@ -64,9 +64,39 @@ def test_generate_chat_stream_and_sampling(tiny_dir: Path, capsys: pytest.Captur
     assert err.strip() == first["text"].strip()  # the stream went to stderr
 
 
+def test_generate_stop_logprobs_and_penalties(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(tiny_dir), "--mode", "pld", "--max-new-tokens", "30", "--json"]
+    full = json.loads(run(capsys, *argv, "hello hello hello")[1])
+    text = full["text"]
+    stop = next(
+        p
+        for p in (text[i : i + 3] for i in range(len(text) // 2, len(text) - 3))
+        if p.strip() and "\ufffd" not in p
+    )
+    code, out, err = run(
+        capsys, *argv, "--stop", stop, "--stop", "zzz", "--logprobs", "2", "--stream", "hello hello hello"
+    )
+    payload = json.loads(out)
+    assert code == 0 and payload["text"] == text[: text.find(stop)] and err == payload["text"] + "\n"
+    assert (payload["finish_reason"], payload["stop_reason"]) == ("stop", stop)
+    assert payload["token_ids"] == full["token_ids"][: len(payload["token_ids"])]
+    assert [lp["token_id"] for lp in payload["logprobs"]] == payload["token_ids"]
+    assert all(len(lp["top"]) == 2 for lp in payload["logprobs"])
+    stop_id = full["token_ids"][5]
+    payload = json.loads(run(capsys, *argv, "--stop-token-id", str(stop_id), "hello hello hello")[1])
+    assert payload["stop_reason"] == stop_id and payload["token_ids"][-1] == stop_id
+    penalised = ["--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--repetition-penalty", "1.5"]
+    payload = json.loads(run(capsys, *argv, *penalised, "hello hello hello")[1])
+    assert payload["token_ids"] != full["token_ids"] and "logprobs" not in payload
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
+        (["--logprobs", "21"], "logprobs must be in [0, 20], got 21"),
+        (["--stop", ""], "a stop string is empty"),
+        (["--stop", "a"] * 5, "at most 4 stop strings, got 5"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
         (["--mode", "nope"], "unknown mode 'nope'"),
         (["--mode", "pld:window=3"], "takes options"),
         (["--mode", "pld+h:layer=99"], "outside"),

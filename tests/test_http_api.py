@@ -224,14 +224,9 @@ BAD = {
     ),
     "unknown mode": ("completions", {"prompt": "hi", "mode": "nope"}, "unknown mode 'nope'", None),
     "mode option": ("completions", {"prompt": "hi", "mode": "pld:x=1"}, "takes options", None),
-    "stop": ("completions", {"prompt": "hi", "stop": ["\n"]}, "stop: not supported yet", "stop"),
-    "logprobs": ("completions", {"prompt": "hi", "logprobs": 2}, "logprobs: not supported yet", "logprobs"),
-    "penalty": (
-        "completions",
-        {"prompt": "hi", "presence_penalty": 0.5},
-        "presence_penalty: not supported yet",
-        "presence_penalty",
-    ),
+    "stop": ("completions", {"prompt": "hi", "stop": [""]}, "a stop string is empty", None),
+    "logprobs": ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", None),
+    "penalty": ("completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty", None),
     "seed": ("completions", {"prompt": "hi", "seed": -1}, "seed: must be in [0, 2**64)", "seed"),
     "draft_budget": (
         "completions",
@@ -267,9 +262,9 @@ BAD = {
     ),
     "top_logprobs": (
         "chat/completions",
-        {"messages": CHAT, "logprobs": True},
-        "logprobs: not supported yet",
-        "logprobs",
+        {"messages": CHAT, "top_logprobs": 2},
+        "top_logprobs: needs logprobs: true",
+        "top_logprobs",
     ),
     "image": (
         "chat/completions",
@@ -299,8 +294,8 @@ def test_bad_input_is_400_in_openais_shape_and_the_server_keeps_serving(http: Ht
 
 
 def test_the_openai_client_sees_the_statuses(http: HttpThread) -> None:
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client(http).completions.create(model=MODEL, prompt="hi", stop=["x"])
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        client(http).completions.create(model=MODEL, prompt="hi", n=2)
     with pytest.raises(openai.NotFoundError) as err:
         client(http).completions.create(model="gpt-4", prompt="hi")
     assert err.value.code == "model_not_found" and "gpt-4" in err.value.message
@@ -597,3 +592,37 @@ def test_the_default_model_answers_as_ar_over_http(real_model: tuple[Any, Any]) 
         assert answers["pld"].specdraft["tau"] > 1.0  # type: ignore[attr-defined]
     finally:
         server.stop()
+
+
+def test_stop_logprobs_and_penalties_through_the_openai_client(http: HttpThread) -> None:
+    """A stop string cut out of ``ar``'s own answer ends every mode's answer where ``ar``'s
+    ends, whole and streamed (no chunk shows it), with ``ar``'s logprobs; usage counts the
+    prompt tokens the prefix cache supplied."""
+    c = client(http)
+    base = {"model": served(http), "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    penalised = {"ignore_eos": True, "repetition_penalty": 1.1}
+    text = c.completions.create(**base, extra_body=penalised).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    answers = {}
+    for mode in ("ar", "pld", "suffix"):
+        extra = {"mode": mode, **penalised}
+        r = c.completions.create(**base, stop=[stop], logprobs=2, extra_body=extra)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop" and stop not in choice.text
+        assert choice.logprobs is not None and len(choice.logprobs.tokens or []) >= 1
+        answers[mode] = (choice.text, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs)
+        streamed = "".join(
+            chunk.choices[0].text
+            for chunk in c.completions.create(**base, stop=[stop], stream=True, extra_body=extra)
+            if chunk.choices
+        )
+        assert streamed == choice.text
+    assert answers["pld"] == answers["ar"] and answers["suffix"] == answers["ar"]
+    chat = c.chat.completions.create(
+        model=served(http), messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(len(entry.top_logprobs) == 3 for entry in content)
+    again = c.chat.completions.create(model=served(http), messages=CHAT, max_tokens=2, temperature=0)
+    details = again.usage.prompt_tokens_details  # type: ignore[union-attr]
+    assert details is not None and details.cached_tokens is not None

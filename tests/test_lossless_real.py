@@ -13,8 +13,9 @@ from scipy import stats
 from helpers.models import DraftTally, assert_greedy_identical, chat_ids, greedy_tokens
 from llm_worker.config import SamplingParams
 from llm_worker.drafters import DRAFTERS
-from llm_worker.engine import Engine, GenerationRequest
+from llm_worker.engine import Engine, GenerationRequest, StepOutput
 from llm_worker.sampling import SamplingNoise, warp_logits
+from llm_worker.stopping import StopStrings, cut_at_stop
 from llm_worker.types import ArtifactNeeds, DraftTree
 from llm_worker.verify.verifier import verify_sampling
 
@@ -200,3 +201,46 @@ def test_sampling_runs_in_datastore_modes_and_is_seeded(real_model, rest_engine,
         assert first.token_ids == fresh().generate(req).token_ids, mode
         assert all(0 <= t < target.info.vocab_size for t in first.token_ids)
         assert first.datastore_version == "v1" and first.stats.drafted_tokens > 0, mode
+
+
+def test_a_stop_string_ending_inside_an_accepted_draft_stops_where_ar_does(
+    real_model, real_engine, prompt_ids
+) -> None:
+    """Real tokenizer, real drafts: a stop string from one step's last token into the middle of
+    the next step's accepted draft cuts the output exactly where ``ar`` stops."""
+    _, tokenizer = real_model
+
+    def decode(ids) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    prompt = tuple(prompt_ids[0])  # renaming a variable in given code: long accepted drafts
+    cut = 0
+    for mode in ["pld", "pld+h", "suffix"]:
+        steps = [
+            item.token_ids
+            for item in real_engine.stream(GenerationRequest(prompt, NEW_TOKENS, mode, stop_at_eos=False))
+            if isinstance(item, StepOutput)
+        ]
+        tokens = [t for s in steps for t in s]
+        start = len(steps[0])
+        for step in steps[1:]:
+            end = start + 2
+            before, upto = decode(tokens[: start - 1]), decode(tokens[:end])
+            stop = upto[len(before) :]
+            if len(step) >= 3 and upto.startswith(before) and stop.strip() and upto.find(stop) == len(before):
+                break
+            start += len(step)
+        else:
+            continue
+        strings = StopStrings((stop,), decode)
+        ref = real_engine.generate(
+            GenerationRequest(prompt, NEW_TOKENS, "ar", stop_at_eos=False, stop=strings)
+        )
+        res = real_engine.generate(
+            GenerationRequest(prompt, NEW_TOKENS, mode, stop_at_eos=False, stop=strings)
+        )
+        assert ref.token_ids == tokens[:end] and res.token_ids == ref.token_ids, mode
+        assert (res.finish_reason, res.stop_reason) == ("stop", stop)
+        assert cut_at_stop(decode(res.token_ids), (stop,)) == before
+        cut += res.stats.accepted_tokens + res.stats.target_forwards > res.stats.new_tokens
+    assert cut >= 2, "the stop strings did not land inside accepted drafts"

@@ -41,6 +41,28 @@ def add_generate(sub: Any) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop where the text reaches TEXT (not printed); repeatable, at most 4",
+    )
+    g.add_argument(
+        "--stop-token-id", action="append", type=int, default=[], metavar="ID", help="stop after token ID"
+    )
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="log-probability of each token and its K likeliest alternatives (0..20) in --json",
+    )
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0 (1: none), over prompt + output"
+    )
+    g.add_argument(
         "--chat", action="store_true", help="apply the model's chat template (PROMPT is one user turn)"
     )
     g.add_argument("--system", help="with --chat: a system prompt before the user turn")
@@ -95,6 +117,7 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     from llm_worker.drafters import ModeUnavailableError, UnknownModeError
     from llm_worker.engine import GenerationRequest, InvalidRequestError, StepOutput
     from llm_worker.results import GenerationResult
+    from llm_worker.stopping import StopStrings, cut_at_stop
     from llm_worker.textstream import TextStream
 
     try:
@@ -103,11 +126,31 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
             if args.chat
             else prompt_ids(tokenizer, prompt)
         )
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-        req = GenerationRequest(tuple(ids), args.max_new_tokens, args.mode, sampling)
+        sampling = SamplingParams(
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+        )
+
+        def decode(ids: Sequence[int]) -> str:
+            return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+        req = GenerationRequest(
+            tuple(ids),
+            args.max_new_tokens,
+            args.mode,
+            sampling,
+            stop_token_ids=tuple(args.stop_token_id),
+            stop=StopStrings(args.stop, decode) if args.stop else None,
+            logprobs=args.logprobs,
+        )
         stream_to = sys.stderr if args.json else sys.stdout
         result = None
-        text_stream = TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        text_stream = TextStream(decode, args.stop)
         for item in engine.stream(req):
             if isinstance(item, StepOutput) and args.stream:
                 stream_to.write(text_stream.push(item.token_ids))
@@ -119,7 +162,7 @@ def _generate_local(args: argparse.Namespace, prompt: str) -> int:
     except (UnknownModeError, ModeUnavailableError, InvalidRequestError, ValueError) as exc:
         raise CliError(str(exc)) from exc
     assert result is not None
-    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    text = cut_at_stop(decode(result.token_ids), args.stop)
     if args.json:
         if args.stream:
             sys.stderr.write("\n")
@@ -159,6 +202,12 @@ def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id),
+        logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     request = (
         build_request(chat=_chat(args, prompt), options=options)

@@ -45,6 +45,8 @@ from client.http_api.schema import (
     ApiError,
     ChatBody,
     CompletionBody,
+    chat_logprobs,
+    completion_logprobs,
     new_id,
     now,
     speculation,
@@ -274,13 +276,23 @@ class Answer:
         content: dict[str, Any] = (
             {"message": {"role": "assistant", "content": final.text}} if self.chat else {"text": final.text}
         )
-        choice = {"index": 0, **content, "logprobs": None, "finish_reason": final.result.finish_reason}
+        choice = {
+            "index": 0,
+            **content,
+            "logprobs": self.logprobs(final),
+            "finish_reason": final.result.finish_reason,
+            "stop_reason": final.result.stop_reason,
+        }
         return {
             **self._envelope(chunk=False),
             "choices": [choice],
-            "usage": usage(final.prompt_tokens, len(final.result.token_ids)),
+            "usage": final_usage(final),
             "specdraft": speculation(final.result),
         }
+
+    def logprobs(self, final: Final) -> dict[str, Any] | None:
+        pick = chat_logprobs if self.chat else completion_logprobs
+        return pick(final.result, final.token_text)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
         """A streamed piece: ``text`` (None: none, as the last chunk), the finish reason on the last."""
@@ -323,10 +335,13 @@ class Answer:
                             yield data(self.chunk(event.text))
                         continue
                     last = self.chunk(None, event.result.finish_reason)
+                    # logprobs come whole with the last chunk (the steps' chunks carry none)
+                    last["choices"][0]["logprobs"] = self.logprobs(event)
+                    last["choices"][0]["stop_reason"] = event.result.stop_reason
                     last["specdraft"] = speculation(event.result)
                     yield data(last)
                     if include_usage:
-                        tokens = usage(event.prompt_tokens, len(event.result.token_ids))
+                        tokens = final_usage(event)
                         yield data({**self._envelope(chunk=True), "choices": [], "usage": tokens})
         except ApiError as exc:
             yield data(exc.body())
@@ -335,6 +350,11 @@ class Answer:
             log.exception("stream failed (error id %s)", error_id)
             yield data(ApiError(500, f"internal error (id {error_id})").body())
         yield "data: [DONE]\n\n"
+
+
+def final_usage(final: Final) -> dict[str, Any]:
+    stats = final.result.stats
+    return usage(final.prompt_tokens, len(final.result.token_ids), stats.cached_prompt_tokens)
 
 
 def _error_response(exc: ApiError) -> Response:

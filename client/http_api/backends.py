@@ -27,7 +27,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -56,11 +56,19 @@ class Delta:
     text: str
 
 
+def token_id_text(token_id: int) -> str:
+    """A token's text where no tokenizer is at hand (a pool's front end): vLLM's
+    ``return_tokens_as_token_ids`` form, ``"token_id:42"``."""
+    return f"token_id:{token_id}"
+
+
 @dataclass(frozen=True)
 class Final:
     result: GenerationResult
     text: str
     prompt_tokens: int
+    token_text: Callable[[int], str] = token_id_text
+    """A token's own text, for logprobs (the tokenizer's, special tokens included)."""
 
 
 Event = Delta | Final
@@ -167,6 +175,10 @@ class InProcessBackend:
         except RuntimeError:  # the pool is shut down: nothing runs any more
             done()
 
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.worker.tokenizer
+        return str(tokenizer.decode([token_id])) if tokenizer is not None else token_id_text(token_id)
+
     async def stream(self, work: WorkRequest) -> AsyncGenerator[Event, None]:
         self._admit(work)
         loop = asyncio.get_running_loop()
@@ -180,7 +192,7 @@ class InProcessBackend:
             except BadRequest as exc:
                 raise ApiError(400, str(exc)) from None
             steps = self.worker.stream(replace(gen, cancel=cancel))
-            text = TextStream(self.worker.decode)
+            text = TextStream(self.worker.decode, work.stop)
             while True:
                 step = self.executor.submit(next, steps, _DONE)
                 item = await asyncio.wrap_future(step)
@@ -190,7 +202,9 @@ class InProcessBackend:
                     rest = text.finish()  # text held back for a character the tokens never finished
                     if rest:
                         yield Delta((), rest)
-                    yield Final(item, self.worker.decode(item.token_ids), len(gen.prompt_ids))
+                    yield Final(
+                        item, self.worker.text(item, work.stop), len(gen.prompt_ids), self._token_text
+                    )
                     continue
                 assert isinstance(item, StepOutput)
                 yield Delta(tuple(item.token_ids), text.push(item.token_ids))
@@ -229,6 +243,12 @@ def to_grpc_request(work: WorkRequest) -> Any:
         speculation_off=work.speculation_off,
         ignore_eos=work.ignore_eos,
         tenant=work.tenant,
+        stop=work.stop,
+        stop_token_ids=work.stop_token_ids,
+        logprobs=work.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
     )
     return build_request(text=work.text, token_ids=work.token_ids, chat=work.chat, options=options)
 

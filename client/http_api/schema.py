@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -152,21 +153,23 @@ def to_work_request(body: CompletionBody | ChatBody) -> WorkRequest:
     """
     if body.n != 1:
         raise _refuse("n", "only n=1 is supported: send one request per completion")
-    if body.stop:
-        raise _refuse("stop", NOT_YET)
-    if body.stop_token_ids:
-        raise _refuse("stop_token_ids", NOT_YET)
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        if getattr(body, name) != neutral:
-            raise _refuse(name, NOT_YET)
     if body.logit_bias:
         raise _refuse("logit_bias", "not supported: it would change the target's distribution")
     if body.seed is not None and not 0 <= body.seed < 2**64:
         raise _refuse("seed", f"must be in [0, 2**64), got {body.seed}")
     sampling = SamplingParams(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     common: dict[str, Any] = dict(
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         mode=body.mode or DEFAULT_MODE,
         sampling=sampling,
         draft_budget=body.draft_budget,
@@ -175,8 +178,6 @@ def to_work_request(body: CompletionBody | ChatBody) -> WorkRequest:
         tenant=body.tenant,
     )
     if isinstance(body, CompletionBody):
-        if body.logprobs is not None:
-            raise _refuse("logprobs", NOT_YET)
         if body.best_of not in (None, 1):
             raise _refuse("best_of", "only best_of=1 is supported")
         if body.echo:
@@ -184,9 +185,10 @@ def to_work_request(body: CompletionBody | ChatBody) -> WorkRequest:
         if body.suffix:
             raise _refuse("suffix", "not supported (no fill-in-the-middle)")
         text, ids = _one_prompt(body.prompt)
-        return WorkRequest(text=text, token_ids=ids, max_new_tokens=_max_tokens(body.max_tokens), **common)
-    if body.logprobs or body.top_logprobs:
-        raise _refuse("logprobs" if body.logprobs else "top_logprobs", NOT_YET)
+        count = _max_tokens(body.max_tokens)
+        return WorkRequest(text=text, token_ids=ids, max_new_tokens=count, logprobs=body.logprobs, **common)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise _refuse("top_logprobs", "needs logprobs: true")
     for name in ("tools", "tool_choice", "functions", "function_call"):
         if getattr(body, name) not in (None, [], "none"):
             raise _refuse(name, "tools and function calls are not supported")
@@ -194,7 +196,8 @@ def to_work_request(body: CompletionBody | ChatBody) -> WorkRequest:
         raise _refuse("response_format", "only {'type': 'text'} is supported")
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     chat = tuple((ROLES.get(m.role, m.role), _content(m, i)) for i, m in enumerate(body.messages))
-    return WorkRequest(chat=chat, max_new_tokens=_max_tokens(limit, default=0), **common)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return WorkRequest(chat=chat, max_new_tokens=_max_tokens(limit, default=0), logprobs=top, **common)
 
 
 def _max_tokens(value: int | None, default: int = COMPLETION_DEFAULT_MAX_TOKENS) -> int:
@@ -250,11 +253,49 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``cached_tokens``: prompt tokens the prefix cache supplied."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_logprobs(result: GenerationResult, token_text: Callable[[int], str]) -> dict[str, Any] | None:
+    """A completion's ``logprobs`` as OpenAI's legacy completions give them: parallel lists of
+    each token's text, its log-probability, its top alternatives ({text: logprob}) and the
+    offset of its text in the answer; None when the request asked for none."""
+    if result.logprobs is None:
+        return None
+    tokens = [token_text(lp.token_id) for lp in result.logprobs]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in result.logprobs],
+        "top_logprobs": [{token_text(t): p for t, p in lp.top} for lp in result.logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(result: GenerationResult, token_text: Callable[[int], str]) -> dict[str, Any] | None:
+    """A chat answer's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if result.logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+            for lp in result.logprobs
+        ]
     }
 
 

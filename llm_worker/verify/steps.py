@@ -23,23 +23,41 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from llm_worker.config import SamplingParams
-from llm_worker.logits import argmax_rows
+from llm_worker.logits import argmax, argmax_rows
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
+from llm_worker.penalties import Penalties
 from llm_worker.planner import ALONE, BatchLoad, DraftBudget, DraftPlanner
 from llm_worker.sampling import SamplingNoise, warp_logits
 from llm_worker.types import NO_SOURCE, ArtifactNeeds, Draft, DraftBatch, DraftTree, VerifyResult
 from llm_worker.verify.batch import chosen_row, trie_logits
 from llm_worker.verify.tree import tree_buffers
-from llm_worker.verify.verifier import verify_greedy, verify_sampling
+from llm_worker.verify.verifier import verify_greedy, verify_sampling, verify_tokens
 
 Decide = Callable[[torch.Tensor, DraftTree, int], VerifyResult]
 """(logits [1 + num_nodes, vocab] of the root and every node, the tree, the sequence position the
 root's row predicts) → the verdict."""
 
 
-def decider(sampling: SamplingParams, noise: SamplingNoise) -> Decide:
+def decider(sampling: SamplingParams, noise: SamplingNoise, penalties: Penalties | None = None) -> Decide:
     """Greedy: exact match with the argmax. Sampling: exact match with the position-coupled sample
-    of the warped p (each row warped alone, as plain sampling warps it)."""
+    of the warped p (each row warped alone, as plain sampling warps it).
+
+    ``penalties``: each row is penalised first, as at its own position — the committed tokens
+    plus the path of the node it belongs to (``llm_worker.penalties``); only the rows of the
+    accepted path are computed."""
+    if penalties is not None:
+        p = penalties
+
+        def row_at(logits: torch.Tensor, tree: DraftTree, row: int) -> torch.Tensor:  # [vocab] float32
+            return p.apply(logits[row], tree.path(row - 1))
+
+        if sampling.greedy:
+            return lambda logits, tree, position: verify_tokens(
+                lambda row: argmax(row_at(logits, tree, row)), tree
+            )
+        return lambda logits, tree, position: verify_sampling(
+            lambda row: warp_logits(row_at(logits, tree, row)[None], sampling)[0], tree, noise, position
+        )
     if sampling.greedy:
         return lambda logits, tree, position: verify_greedy(argmax_rows(logits), tree)
     return lambda logits, tree, position: verify_sampling(

@@ -3,6 +3,7 @@ draft from them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def own_samples(
     ar = Engine(target, curve=FLAT_CURVE)
     docs = []
     for seed in range(count):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=10_000 + seed)
+        sp = replace(params, seed=10_000 + seed)
         res = ar.generate(GenerationRequest(tuple(prompt), new, "ar", sp, stop_at_eos=False))
         docs.append(np.array(prompt + res.token_ids, dtype=np.int32))
     return docs

@@ -4,6 +4,7 @@ tiny vocabulary), seeded sampling counts, and a χ² goodness-of-fit test."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ def sample_counts(
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
     for seed in range(SAMPLES):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        sp = replace(params, seed=seed)
         res = engine.generate(GenerationRequest(tuple(prompt), new, mode, sp, stop_at_eos=False))
         counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
         drafted += res.stats.drafted_tokens
