@@ -204,9 +204,13 @@ class WorkerMetrics:
 
     def observe_admitted(self, mode: str, prompt_tokens: int, queued_seconds: float) -> None:
         """A request starts its first engine step: its prompt's size and its time in the queue."""
-        label = mode_label(mode)
-        self.prompt_tokens.labels(label).inc(prompt_tokens)
-        self.queue_time.labels(label).observe(queued_seconds)
+        self.observe_prompt(mode, prompt_tokens)
+        self.queue_time.labels(mode_label(mode)).observe(queued_seconds)
+
+    def observe_prompt(self, mode: str, prompt_tokens: int) -> None:
+        """A request's prompt size, where its time in the queue is not known (the HTTP front end
+        sees a generation's events, not when its first engine step began)."""
+        self.prompt_tokens.labels(mode_label(mode)).inc(prompt_tokens)
 
     def observe_first_token(self, mode: str, seconds: float) -> None:
         self.first_token.labels(mode_label(mode)).observe(seconds)

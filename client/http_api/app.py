@@ -178,7 +178,7 @@ class Api:
                         self.metrics.observe_first_token(mode, time.perf_counter() - began)
                     elif isinstance(event, Final):
                         done = True
-                        self.metrics.observe_admitted(mode, event.prompt_tokens, 0.0)
+                        self.metrics.observe_prompt(mode, event.prompt_tokens)
                         self.metrics.observe_result(mode, event.result.stats, event.result.finish_reason)
                     yield event
         except ApiError as exc:
