@@ -75,10 +75,6 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # of those, found cached
     evicted_blocks: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
 
 class PrefixCache:
     """Blocks of prompt KV by chained digest, least recently used first; thread-safe."""
