@@ -71,6 +71,67 @@ def dense_from_response(resp: datastore_pb2.RetrieveResponse, max_length: int) -
     return DenseRetrieval(tuple(candidates), searched=resp.dense.searched, matched=resp.dense.matched)
 
 
+def _sparse_request(context: np.ndarray, cfg: RetrievalConfig, version: str) -> datastore_pb2.RetrieveRequest:
+    return datastore_pb2.RetrieveRequest(
+        sparse=datastore_pb2.SparseQuery(
+            context=[int(t) for t in context[-cfg.c_max :]],
+            min_match=cfg.c_min,
+            max_occurrences=cfg.max_occurrences,
+            max_nodes=cfg.max_nodes,
+        ),
+        max_candidates=cfg.max_candidates,
+        max_length=cfg.max_length,
+        version=version,
+    )
+
+
+class PendingSparse:
+    """A sparse fan-out in flight (``RemoteDatastore.prefetch``).
+
+    ``take`` answers with the shards that have answered by then and cancels the others — it never
+    waits, so a slow shard costs its candidates this step, not time: e.g. two shards, one answered
+    in 3 ms and one still busy when the drafter takes the answer 12 ms after sending → the first
+    one's candidates; the second is cancelled and counted in ``RemoteDatastore.late``. ``cancel``
+    drops the whole fan-out (the request ended). The time from sending to the last answer is kept
+    as the ``"prefetch"`` kind of ``RemoteDatastore.times``.
+    """
+
+    def __init__(
+        self, remote: RemoteDatastore, calls: Sequence[grpc.Future], cfg: RetrievalConfig, version: str
+    ) -> None:
+        self.remote = remote
+        self.calls = list(calls)
+        self.cfg = cfg
+        self.version = version
+        self.sent = time.perf_counter()
+        self._answered_at: list[float] = []
+        for call in self.calls:
+            call.add_done_callback(self._answered)
+
+    def _answered(self, call: grpc.Future) -> None:
+        self._answered_at.append(time.perf_counter())  # list.append is atomic: safe from gRPC's thread
+
+    def done(self) -> bool:
+        return all(call.done() for call in self.calls)
+
+    def take(self) -> SparseAnswer:
+        remote = self.remote
+        ready = []
+        for address, call in zip(remote.addresses, self.calls, strict=True):
+            if call.done():
+                ready.append((address, call))
+            else:
+                call.cancel()
+                remote.late[address] += 1
+        if self._answered_at:
+            remote.times.add("prefetch", max(self._answered_at) - self.sent)
+        return remote._sparse_answer(remote._answered(ready), self.cfg, self.version)
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+
 class DatastoreUnavailable(RuntimeError):
     """No shard answered (the caller drafts without the datastore this step)."""
 
@@ -96,6 +157,7 @@ class RemoteDatastore:
         self._stubs = [datastore_pb2_grpc.DatastoreStub(c) for c in self._channels]
         self.failures: Counter[str] = Counter()  # per address: calls that failed or timed out
         self.off_version: Counter[str] = Counter()  # per address: answers from another version
+        self.late: Counter[str] = Counter()  # per address: prefetched answers not there when taken
         self.times = RetrievalTimes("grpc")
         """How long each fan-out took as the worker waited (benchmarks report its percentiles)."""
         self._reported: set[tuple[str, str]] = set()  # (address, version) already logged
@@ -108,34 +170,43 @@ class RemoteDatastore:
         self.foreign: dict[str, str] = {}  # address -> the other tokenizer its datastore was built with
 
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> SparseAnswer:
-        request = datastore_pb2.RetrieveRequest(
-            sparse=datastore_pb2.SparseQuery(
-                context=[int(t) for t in context[-cfg.c_max :]],
-                min_match=cfg.c_min,
-                max_occurrences=cfg.max_occurrences,
-                max_nodes=cfg.max_nodes,
-            ),
-            max_candidates=cfg.max_candidates,
-            max_length=cfg.max_length,
-            version=version,
-        )
+        request = _sparse_request(context, cfg, version)
         with self.times.timed("sparse"):
-            answers = self._gather(request)
-            if not answers:
-                return SparseAnswer(Retrieval((), 0, 0, 0), version)
-            chosen = self._chosen(answers, version)
-            if not version:  # an unpinned answer says what the shards serve now
-                self._current = chosen
-            results = [sparse_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
-            return SparseAnswer(merge(results, cfg.max_nodes, cfg.max_candidates), chosen)
+            return self._sparse_answer(self._gather(request), cfg, version)
+
+    def prefetch(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> PendingSparse:
+        """``retrieve``'s calls, sent now and answered later (``PendingSparse.take``, which never
+        waits): a drafter asks for the next step's candidates before this step's verify forward,
+        so the round trip runs while the target computes."""
+        request = _sparse_request(context, cfg, version)
+        calls = [stub.Retrieve.future(request, timeout=self.deadline_seconds) for stub in self._stubs]
+        return PendingSparse(self, calls, cfg, version)
+
+    def _sparse_answer(
+        self, answers: list[tuple[str, datastore_pb2.RetrieveResponse]], cfg: RetrievalConfig, version: str
+    ) -> SparseAnswer:
+        """The shards' answers merged, from the version the request is pinned to (or most answered)."""
+        if not answers:
+            return SparseAnswer(Retrieval((), 0, 0, 0), version)
+        chosen = self._chosen(answers, version)
+        if not version:  # an unpinned answer says what the shards serve now
+            self._current = chosen
+        results = [sparse_from_response(a, cfg.max_length) for a in self._of_version(answers, chosen)]
+        return SparseAnswer(merge(results, cfg.max_nodes, cfg.max_candidates), chosen)
 
     def _gather(
         self, request: datastore_pb2.RetrieveRequest
     ) -> list[tuple[str, datastore_pb2.RetrieveResponse]]:
         """(address, response) of every shard that answered in time."""
         calls = [stub.Retrieve.future(request, timeout=self.deadline_seconds) for stub in self._stubs]
+        return self._answered(list(zip(self.addresses, calls, strict=True)))
+
+    def _answered(
+        self, calls: Sequence[tuple[str, grpc.Future]]
+    ) -> list[tuple[str, datastore_pb2.RetrieveResponse]]:
+        """(address, response) of every call that succeeded (each waited for until its deadline)."""
         answers = []
-        for address, call in zip(self.addresses, calls, strict=True):
+        for address, call in calls:
             try:
                 answer = call.result()
             except grpc.RpcError as exc:

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -46,6 +46,27 @@ class SparseRetriever(Protocol):
 
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> SparseAnswer:
         """``context``: the last context tokens; ``version``: the pinned version, "" = the current one."""
+        ...
+
+
+class PendingAnswer(Protocol):
+    """A sparse retrieval in flight (``PrefetchingRetriever.prefetch``)."""
+
+    def take(self) -> SparseAnswer:
+        """What has been answered by now, without waiting; the rest is dropped."""
+        ...
+
+    def cancel(self) -> None:
+        """Drop the retrieval (its answer is no longer wanted)."""
+        ...
+
+
+@runtime_checkable
+class PrefetchingRetriever(SparseRetriever, Protocol):
+    """A retriever worth asking ahead: its answers take a round trip (remote shards)."""
+
+    def prefetch(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> PendingAnswer:
+        """``retrieve``'s question, sent now, answered by ``PendingAnswer.take`` later."""
         ...
 
 
@@ -95,10 +116,13 @@ class RetrievalTimes:
         try:
             yield
         finally:
-            spent = time.perf_counter() - began
-            with self._lock:
-                self._seconds.setdefault(kind, deque(maxlen=self._keep)).append(spent)
-                self._calls[kind] = self._calls.get(kind, 0) + 1
+            self.add(kind, time.perf_counter() - began)
+
+    def add(self, kind: str, seconds: float) -> None:
+        """One more call of ``kind`` that took ``seconds``."""
+        with self._lock:
+            self._seconds.setdefault(kind, deque(maxlen=self._keep)).append(seconds)
+            self._calls[kind] = self._calls.get(kind, 0) + 1
 
     def summary(self) -> dict[str, Any]:
         """``where``, and per kind: calls made and the 50th, 90th and 99th percentiles of the kept

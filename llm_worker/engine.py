@@ -537,6 +537,21 @@ class Engine:
     def _decode(
         self, req: GenerationRequest, rt: _ModeRuntime, session: BatchSession | None = None
     ) -> Generator[StepOutput | GenerationResult]:
+        """One request's steps (``_steps``); however they end, the drafter releases what the
+        request still holds (``Drafter.release``: e.g. a retrieval in flight)."""
+        request_state = RequestState(tenant=req.tenant)
+        try:
+            yield from self._steps(req, rt, session, request_state)
+        finally:
+            rt.drafter.release(request_state)
+
+    def _steps(
+        self,
+        req: GenerationRequest,
+        rt: _ModeRuntime,
+        session: BatchSession | None,
+        request_state: RequestState,
+    ) -> Generator[StepOutput | GenerationResult]:
         """One request's steps: propose → one target forward → verify → commit → observe."""
         target: TargetModel = session if session is not None else self.target
         drafter, planner = rt.drafter, rt.planners[req.sampling.greedy]
@@ -561,7 +576,6 @@ class Engine:
         policy = SpeculationPolicy(planner, rt.lock, drafter.gated, root_logits=logits)
         stats.observe_prefill(time.perf_counter() - began)
         out = _Output(req, target.info.eos_token_ids)
-        request_state = RequestState(tenant=req.tenant)
         emitted = out.emit([first], [NO_SOURCE], drafter.name)
         if penalties is not None:
             penalties.commit(emitted)

@@ -197,6 +197,11 @@ class Drafter(ABC):
         what the service said keep them here, in ``state.tenant``'s namespace. A stream closed
         before its end is not reported."""
 
+    def release(self, state: RequestState) -> None:  # noqa: B027 - optional hook
+        """The request ended, however it ended (finished, cancelled, failed): drop what it still
+        holds outside the worker's memory, e.g. a retrieval in flight (default: nothing). Called
+        once, after ``finish`` where there is one."""
+
     def tensors(self) -> Iterable[torch.Tensor]:
         """The tensors this drafter holds beyond the target's own (a learned drafter's network
         and its fused copy; default: none), which the engine's mode runtimes count against their

@@ -192,6 +192,11 @@ class FuseDrafter(Drafter):
         for name, source in self.sources.items():
             source.finish(fused.states[name], tokens, prompt_length)
 
+    def release(self, state: RequestState) -> None:
+        fused = self._state(state)
+        for name, source in self.sources.items():
+            source.release(fused.states[name])
+
     def tensors(self) -> Iterable[torch.Tensor]:
         return chain.from_iterable(source.tensors() for source in self.sources.values())
 

@@ -22,14 +22,27 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from datastore_svc.protocols import SparseRetriever
-from datastore_svc.retrieval import Retrieval, RetrievalConfig, context_retrieval, fuse_context, well_formed
+import numpy as np
+
+from datastore_svc.protocols import PendingAnswer, PrefetchingRetriever, SparseAnswer, SparseRetriever
+from datastore_svc.retrieval import (
+    MAX_READ_TOKENS,
+    NO_MATCH,
+    Candidate,
+    Retrieval,
+    RetrievalConfig,
+    context_retrieval,
+    fuse_context,
+    well_formed,
+)
 from llm_worker.drafters.base import (
     DRAFTERS,
     DraftContext,
     Drafter,
+    DrafterState,
     DraftResources,
     ModeUnavailableError,
+    RequestState,
     UnknownModeError,
     bucket,
     int_option,
@@ -79,11 +92,25 @@ class RestDrafter(Drafter):
         cfg: RetrievalConfig,
         shape: Callable[[Retrieval], Draft] = candidates_tree,
         fuse_separator: int | None = None,
+        prefetch: bool = True,
     ) -> None:
         """``fuse_separator``: also draft from the context itself (``fuse_context``), indexing it
         with this separator (any id above the vocabulary); None = the datastore alone (REST)."""
         self.retriever = retriever
         self.cfg = cfg
+        self.prefetcher = retriever if prefetch and isinstance(retriever, PrefetchingRetriever) else None
+        """Where retrieval is asked one step ahead (``_prefetched``): remote shards; an in-process
+        store answers at once."""
+        self._ahead = replace(
+            cfg,
+            max_length=max(
+                min(2 * cfg.max_length + 1, 128, MAX_READ_TOKENS // cfg.max_occurrences), cfg.max_length
+            ),
+            max_nodes=min(4 * cfg.max_nodes, 1024),
+            max_candidates=min(2 * cfg.max_candidates, 1024),
+        )
+        """What a prefetch asks for: room for the tokens the step commits (at most a draft's
+        length and the bonus) before the draft's own, and wider, since those select a branch."""
         self.shape = shape
         self.fuse_separator = fuse_separator
 
@@ -92,10 +119,14 @@ class RestDrafter(Drafter):
         context = ctx.tokens[-self.cfg.c_max :]
         result: Retrieval | None = None
         try:
-            result, version = self.retriever.retrieve(context, self.cfg, pinned)
+            if self.prefetcher is not None:
+                answer = self._prefetched(self.prefetcher, ctx, context, pinned)
+            else:
+                answer = self.retriever.retrieve(context, self.cfg, pinned)
         except Exception as exc:  # a datastore problem costs drafts, never the generation
             log.warning("datastore retrieval failed, drafting from the context alone: %s", exc)
         else:
+            result, version = answer
             if version and not pinned:
                 ctx.request_state.datastore_version = version
             result = _without_malformed(result, self.cfg.max_length) if result is not None else None
@@ -106,9 +137,79 @@ class RestDrafter(Drafter):
             return own
         return fuse_context(result, own, self.cfg.max_nodes, self.cfg.max_candidates)
 
+    def _prefetched(
+        self, prefetcher: PrefetchingRetriever, ctx: DraftContext, context: np.ndarray, pinned: str
+    ) -> SparseAnswer:
+        """This step's candidates from the retrieval sent at the request's last drafting step
+        (none at its first), and the next step's retrieval sent now, to run during this step's
+        verify forward.
+
+        The retrieval sent at the last step asked for continuations of the context then, longer
+        than a draft's by a draft and its bonus token (``_ahead``); the tokens committed since
+        (accepted drafts and the bonus) select and shorten them (``continued``). Example: sent
+        after [.. 7, 8], answered with [9, 4, 5, 6] and [9, 2]; 9 and 4 committed since →
+        [5, 6]. Shards that had not answered when taken are cancelled: a slow shard costs
+        candidates, never a wait.
+        """
+        state = ctx.request_state.drafter
+        if not isinstance(state, _PrefetchState):
+            state = _PrefetchState()
+            ctx.request_state.drafter = state
+        if state.pending is None:  # the request's first draft: from the context alone
+            answer = SparseAnswer(NO_MATCH, pinned)
+        else:
+            taken = state.pending.take()
+            committed = ctx.tokens[state.length :]
+            answer = SparseAnswer(continued(taken.retrieval, committed, self.cfg.max_length), taken.version)
+        state.pending = prefetcher.prefetch(context, self._ahead, answer.version or pinned)
+        state.length = len(ctx.tokens)
+        return answer
+
+    def release(self, state: RequestState) -> None:
+        if isinstance(state.drafter, _PrefetchState) and state.drafter.pending is not None:
+            state.drafter.pending.cancel()
+            state.drafter.pending = None
+
     def propose(self, ctx: DraftContext) -> Draft:
         result = self.retrieve(ctx)
         return self.shape(result) if result is not None else DraftTree.empty()
+
+
+class _PrefetchState(DrafterState):
+    """One request's retrieval in flight (``RestDrafter._prefetched``)."""
+
+    def __init__(self) -> None:
+        self.pending: PendingAnswer | None = None
+        self.length = 0
+        """The context length the pending retrieval was sent after."""
+
+
+def continued(result: Retrieval, committed: np.ndarray, max_length: int) -> Retrieval:
+    """What ``result``, retrieved for a context, says after ``committed`` more tokens: the
+    candidates that start with them, without them, cut to ``max_length``; prefix counts, match
+    length and sampled occurrences follow.
+
+    Example: candidates [9, 4, 5, 6] (counts 5, 3, 2, 2) and [9, 2] (5, 2), committed [9, 4],
+    max_length 10 → one candidate [5, 6] (counts 2, 2) of 3 sampled occurrences, the match 2
+    tokens longer.
+    """
+    k = len(committed)
+    prefix = tuple(int(t) for t in committed)
+    kept: dict[tuple[int, ...], Candidate] = {}
+    sampled = result.sampled
+    for cand in result.candidates:
+        if len(cand.tokens) <= k or cand.tokens[:k] != prefix:
+            continue
+        if k:
+            sampled = cand.counts[k - 1]
+        tokens, counts = cand.tokens[k : k + max_length], cand.counts[k : k + max_length]
+        old = kept.get(tokens)
+        if old is None or old.counts < counts:
+            kept[tokens] = Candidate(tokens, counts, cand.source)
+    if not kept:
+        return NO_MATCH
+    occurrences = sampled if k else result.occurrences
+    return Retrieval(tuple(kept.values()), result.match_length + k, occurrences, sampled)
 
 
 def _without_malformed(result: Retrieval, max_length: int) -> Retrieval:
@@ -138,7 +239,12 @@ def retrieval_config(options: dict[str, str]) -> RetrievalConfig:
         raise UnknownModeError(f"rest options: {exc}") from None
 
 
-REST_OPTIONS = ("c_min", "c_max", "n", "l", "nodes", "d", "ctx")
+REST_OPTIONS = ("c_min", "c_max", "n", "l", "nodes", "d", "ctx", "prefetch")
+
+
+def _prefetch(options: dict[str, str]) -> bool:
+    """``prefetch=1`` (default): ask remote shards one step ahead; ``prefetch=0``: when drafting."""
+    return bool(int_option(options, "prefetch", 1, 0, 1))
 
 
 def _fuse_separator(target: TargetModel, options: dict[str, str]) -> int | None:
@@ -157,7 +263,10 @@ def _retriever(resources: DraftResources) -> SparseRetriever:
 )
 def _make_rest(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     return RestDrafter(
-        _retriever(resources), retrieval_config(options), fuse_separator=_fuse_separator(target, options)
+        _retriever(resources),
+        retrieval_config(options),
+        fuse_separator=_fuse_separator(target, options),
+        prefetch=_prefetch(options),
     )
 
 
@@ -168,5 +277,9 @@ def _make_rest(target: TargetModel, options: dict[str, str], resources: DraftRes
 )
 def _make_rest_batch(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
     return RestDrafter(
-        _retriever(resources), retrieval_config(options), candidates_batch, _fuse_separator(target, options)
+        _retriever(resources),
+        retrieval_config(options),
+        candidates_batch,
+        _fuse_separator(target, options),
+        _prefetch(options),
     )
