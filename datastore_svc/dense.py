@@ -254,6 +254,41 @@ class IndexParams:
     pq_bytes: int = 0  # ivfpq: bytes per key (0 = dims / 2)
 
 
+PQ_CENTROIDS = 256
+"""Centroids of each 8-bit product-quantiser codebook: an ``ivfpq`` index trains on at least as many keys."""
+
+
+def ivf_lists(num_keys: int, params: IndexParams = IndexParams()) -> int:
+    """The inverted lists of an IVF index over ``num_keys`` keys: ``params.ivf_lists``, or with 0
+    about 4 √n but never more than n / 39 (``build_faiss_index``). Example: ``ivf_lists(200_001)``
+    → 1 788; ``ivf_lists(100)`` → 2; ``ivf_lists(100, IndexParams(ivf_lists=8))`` → 8."""
+    return params.ivf_lists or max(1, min(int(4 * np.sqrt(max(num_keys, 1))), num_keys // 39 or 1))
+
+
+def check_index(num_keys: int, kind: str, params: IndexParams = IndexParams()) -> None:
+    """Refuse (``DenseError``) an index of type ``kind`` that cannot be trained on a shard of
+    ``num_keys`` keys, so that a build fails before it runs the model rather than in FAISS's
+    k-means after it: IVF needs at least one key per inverted list, ``ivfpq`` also ``PQ_CENTROIDS``
+    keys. A shard without keys trains nothing and passes. Example: ``check_index(120, "ivf",
+    IndexParams(ivf_lists=500))`` → "ivf: 500 inverted lists need at least as many keys to train
+    on, but a shard has 120 ..."."""
+    if params.ivf_lists < 0 or params.pq_bytes < 0:
+        raise DenseError(f"ivf_lists and pq_bytes must be >= 0 (0 = automatic), not {params}")
+    if kind not in ("ivf", "ivfpq") or num_keys == 0:
+        return
+    lists = ivf_lists(num_keys, params)
+    if lists > num_keys:
+        raise DenseError(
+            f"{kind}: {lists} inverted lists need at least as many keys to train on, but a shard has "
+            f"{num_keys}: lower --ivf-lists (0 = about 4 sqrt(keys)) or use --index flat"
+        )
+    if kind == "ivfpq" and num_keys < PQ_CENTROIDS:
+        raise DenseError(
+            f"ivfpq: its product quantiser trains on at least {PQ_CENTROIDS} keys, but a shard has "
+            f"{num_keys}: use --index ivf or flat"
+        )
+
+
 def build_faiss_index(keys: np.ndarray, kind: str, params: IndexParams = IndexParams()) -> Any:
     """A FAISS inner-product index over ``keys`` [n, dims] (unit-norm float32), ids = row numbers.
 
@@ -267,6 +302,7 @@ def build_faiss_index(keys: np.ndarray, kind: str, params: IndexParams = IndexPa
 
     x = np.ascontiguousarray(keys, dtype=np.float32)
     n, dims = x.shape
+    check_index(n, kind, params)
     ip, fp16 = faiss.METRIC_INNER_PRODUCT, faiss.ScalarQuantizer.QT_fp16
     index: Any
     if kind == "flat":
@@ -275,7 +311,7 @@ def build_faiss_index(keys: np.ndarray, kind: str, params: IndexParams = IndexPa
         index = faiss.IndexHNSWSQ(dims, fp16, params.hnsw_m, ip)  # type: ignore[arg-type]  # stubs: the qtype enum
         index.hnsw.efConstruction = params.hnsw_ef_construction
     elif kind in ("ivf", "ivfpq"):
-        lists = params.ivf_lists or max(1, min(int(4 * np.sqrt(max(n, 1))), n // 39 or 1))
+        lists = ivf_lists(n, params)
         quantizer = faiss.IndexFlatIP(dims)
         if kind == "ivf":
             index = faiss.IndexIVFScalarQuantizer(quantizer, dims, lists, fp16, ip)

@@ -28,7 +28,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from datastore_svc.dense import DenseStats, IndexParams, build_faiss_index, choose_kind, fit_stats
+from datastore_svc.dense import (
+    DenseStats,
+    IndexParams,
+    build_faiss_index,
+    check_index,
+    choose_kind,
+    fit_stats,
+)
 from datastore_svc.manifest import DenseEntry, Manifest
 from datastore_svc.store import Extend, load_shard_arrays, shard_dir
 from specdraft.common import atomic_path
@@ -227,6 +234,9 @@ def build_dense(
         kept = spread_documents(docs, max(1, share)) if cfg.max_tokens else docs
         shards.append(list(chunks(kept, cfg.chunk_tokens)))
     total = sum(len(d) for shard in shards for group in shard for _, d in group)
+    for shard in shards:  # an index that cannot be trained fails here, before the model runs
+        num_keys = sum(max(0, len(d) - 1) for group in shard for _, d in group)
+        check_index(num_keys, choose_kind(num_keys, cfg.index), cfg.params)
 
     # 1. hidden states (cached per chunk)
     t0 = time.perf_counter()

@@ -138,7 +138,21 @@ class Worker:
             self.engine.runtime(mode)
         except (InvalidRequestError, UnknownModeError, ModeUnavailableError) as exc:
             raise BadRequest(str(exc)) from None
+        if req.speculation_off and req.mode:
+            self._check_unused_mode(req.mode)
         return gen
+
+    def _check_unused_mode(self, mode: str) -> None:
+        """A request with ``speculation_off`` decodes as ``ar`` but must still name a mode with
+        valid options: ``nosuchmode:n=1`` and ``pld:max_n=x`` are BadRequest as without it (they
+        are mistakes a client should hear of), while a real mode this worker cannot run (``rest``
+        without a datastore) is fine, since nothing drafts."""
+        try:
+            self.engine.runtime(mode)
+        except ModeUnavailableError:
+            pass
+        except UnknownModeError as exc:
+            raise BadRequest(str(exc)) from None
 
     def stream(self, gen: GenerationRequest) -> Iterator[StepOutput | GenerationResult]:
         """The engine's steps of ``gen``, a request ``to_engine`` validated (not checked again)."""

@@ -278,6 +278,38 @@ def test_worker_refuses_a_non_positive_store_bound(
     assert value == "many" or f"must be >= 1, got {value}" in err
 
 
+def test_up_passes_the_online_store_bounds_to_its_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``specdraft up --suffix-max-tokens N --recycle-max-tenants N`` starts every worker with those
+    bounds (its arguments parse as ``serve worker``'s), and without them with the workers' own
+    defaults, which are the stores'."""
+    import client.stack
+    from client.cli import build_parser
+    from client.cli.common import resource_config
+    from llm_worker.assembly import ResourceConfig
+
+    started: list[client.stack.StackConfig] = []
+
+    def fake_up(cfg: client.stack.StackConfig, state_dir: Path, log: object) -> None:
+        started.append(cfg)
+        raise client.stack.StackError("not started: a test")
+
+    monkeypatch.setattr(client.stack, "up", fake_up)
+    base = ["up", "--no-warm", "--state-dir", str(tmp_path)]
+    assert main([*base, "--suffix-max-tokens", "1000", "--recycle-max-tenants", "3"]) == 1
+    assert main(base) == 1
+    capsys.readouterr()
+    bounded, default = (build_parser().parse_args(["serve", "worker", *c.worker_args]) for c in started)
+    assert (bounded.suffix_max_tokens, bounded.recycle_max_tenants) == (1000, 3)
+    assert resource_config(default) == resource_config(build_parser().parse_args(["serve", "worker"]))
+    defaults = ResourceConfig()
+    assert (default.suffix_max_tokens, default.recycle_max_tenants) == (
+        defaults.suffix_max_tokens,
+        defaults.recycle_max_tenants,
+    )
+
+
 def test_pld_a_refuses_a_head_file_of_another_model(
     tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

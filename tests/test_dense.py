@@ -19,11 +19,13 @@ from datastore_svc.dense import (
     DenseStats,
     IndexParams,
     build_faiss_index,
+    check_index,
     choose_kind,
     dense_retrieve,
     drafts_from_hits,
     exact_search,
     fit_stats,
+    ivf_lists,
     merge_dense,
     recall_at,
 )
@@ -212,6 +214,20 @@ def test_auto_index_kind_by_size() -> None:
     assert choose_kind(10, "ivf") == "ivf" and choose_kind(10_000_000, "hnsw") == "hnsw"
     with pytest.raises(DenseError, match="choose one of"):
         choose_kind(10, "annoy")
+
+
+def test_an_index_its_keys_cannot_train_is_refused_before_faiss() -> None:
+    """IVF needs a key per inverted list and ``ivfpq`` 256 keys (FAISS's k-means would fail after
+    the model pass with a C++ message); an empty shard trains nothing and passes."""
+    keys = np.eye(8, dtype=np.float32)[np.arange(40) % 8]
+    with pytest.raises(DenseError, match="ivf: 41 inverted lists need at least as many keys"):
+        build_faiss_index(keys, "ivf", IndexParams(ivf_lists=41))
+    assert build_faiss_index(keys, "ivf", IndexParams(ivf_lists=40)).ntotal == 40
+    with pytest.raises(DenseError, match="ivfpq: its product quantiser trains on at least 256 keys"):
+        check_index(255, "ivfpq")
+    check_index(0, "ivf", IndexParams(ivf_lists=5))
+    check_index(3, "flat", IndexParams(ivf_lists=5))  # only IVF has lists
+    assert ivf_lists(200_001) == 1788 and ivf_lists(100) == 2
 
 
 def test_auto_ivf_trains_just_above_the_flat_bound(capfd: pytest.CaptureFixture[str]) -> None:

@@ -258,6 +258,53 @@ def test_redis_killed_mid_run_changes_nothing(setup, redis_server: RedisServer) 
     after.assert_every_mode_drafted_and_accepted("after redis died")
 
 
+@pytest.mark.parametrize(
+    "index,words",
+    [
+        (
+            ["--index", "ivf", "--ivf-lists", "100000"],
+            "ivf: 100000 inverted lists need at least as many keys",
+        ),
+        (["--index", "ivfpq"], "ivfpq: its product quantiser trains on at least 256 keys"),
+    ],
+    ids=["more-lists-than-keys", "too-few-keys-for-pq"],
+)
+def test_cli_dense_build_refuses_an_index_its_keys_cannot_train(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], index: list[str], words: str
+) -> None:
+    """An IVF build with more inverted lists than a shard has keys (or ``ivfpq`` with fewer keys
+    than its quantiser's 256 centroids) is one clear error line and exit 2, before the model reads
+    anything: no version, no temporary directory, no hidden states cached; a dense rebuild
+    (``--from``) alike. A negative ``--ivf-lists`` is a usage error."""
+    import json
+
+    from client.cli import main
+
+    texts = [f"def add_{i}(x, y):\n    return x + y * {i}\n" for i in range(12)]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    versions, hidden = tmp_path / "versions", tmp_path / "h"
+    common = ["--model", str(tiny_dir), "--quiet", "--hidden-cache", str(hidden), "--window", "64"]
+    build = ["datastore", "build", "--dense", *common, "--pca-dims", "8"]
+    capsys.readouterr()
+    assert main([*build, "--corpus", str(tmp_path / "c.jsonl"), "--out", str(versions / "a"), *index]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert [p.name for p in versions.iterdir() if not p.name.endswith(".lock")] == []  # nothing half-written
+    assert not hidden.exists() or not any(hidden.rglob("*.npy")), "the model ran before the check"
+
+    sparse = ["datastore", "build", *common[:3], "--corpus", str(tmp_path / "c.jsonl")]
+    assert main([*sparse, "--out", str(versions / "s")]) == 0
+    capsys.readouterr()
+    derive = [*build, "--from", str(versions / "s"), "--out", str(versions / "d"), *index]
+    assert main(derive) == 2 and words in capsys.readouterr().err
+    assert sorted(p.name for p in versions.iterdir() if not p.name.endswith(".lock")) == ["s"]
+    with pytest.raises(SystemExit) as usage:
+        main(
+            [*build, "--corpus", str(tmp_path / "c.jsonl"), "--out", str(versions / "n"), "--ivf-lists", "-1"]
+        )
+    assert usage.value.code == 2 and "must be >= 0" in capsys.readouterr().err
+
+
 def test_cli_dense_build_rebuild_eval_generate(tiny_dir: Path, tmp_path: Path, capsys) -> None:
     import json
 

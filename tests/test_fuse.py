@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datastore_svc.store import LocalRetriever
-from helpers.datastores import datastore_engine, dense_version, own_continuations
+from helpers.datastores import datastore_engine, datastore_for, dense_version, own_continuations
 from helpers.models import (
     CPU_LIKE_CURVE,
     FLAT_CURVE,
@@ -79,7 +79,9 @@ def test_the_merge_example() -> None:
     suffix = DraftTree.chain([4, 7], features=["suffix:own:m4:p0.6:n2"] * 2)
     fused = fuse_trees({"pld": pld, "suffix": suffix})
     assert fused.tokens == (4, 2, 7) and fused.parents == (-1, 0, 0) and fused.sources == (7, 8, NO_SOURCE)
-    assert fused.features == ("pld&suffix:m3", "pld:m3", "suffix:suffix:own:m4:p0.6:n2")
+    # a feature that already names its source keeps the name once (not suffix:suffix:own:...)
+    assert fused.features == ("pld&suffix:m3", "pld:m3", "suffix:own:m4:p0.6:n2")
+    assert fuse_trees({"suffix": suffix, "pld": pld}).features[0] == "pld&suffix:m3"
     assert fuse_trees({"pld": DraftTree.empty()}) == DraftTree((), (), (), ())
 
 
@@ -268,12 +270,50 @@ def test_sources_by_default_and_by_name() -> None:
         ("fuse:sources=fuse", UnknownModeError, "'fuse' cannot be a source"),
         ("fuse:sources=ar", UnknownModeError, "'ar' cannot be a source"),
         ("fuse:depth=3", UnknownModeError, "takes options ['sources']"),
+        # a source's options: SOURCE.OPTION, checked as that mode's own
+        ("fuse:rest.window=3", UnknownModeError, "fuse option 'rest.window': mode 'rest' takes options"),
+        ("fuse:nope.n=1", UnknownModeError, "fuse option 'nope.n': unknown mode 'nope'"),
+        ("fuse:sources=pld:pld.max_n=x", UnknownModeError, "fuse source 'pld': option max_n='x' is not"),
+        ("fuse:sources=pld:pld.max_n=99", UnknownModeError, "fuse source 'pld': option max_n=99 is outside"),
+        ("fuse:sources=pld:suffix.match=4", UnknownModeError, "'suffix' is not a source here (sources: pld)"),
+        ("fuse:recycle.depth=2", UnknownModeError, "'recycle' is not a source here"),
     ],
 )
 def test_bad_source_lists_are_clear_errors(mode: str, error: type[Exception], words: str) -> None:
     with pytest.raises(error) as raised:
         DRAFTERS.create(mode, tiny_target())
     assert type(raised.value) is error and words in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_source_takes_its_options_as_source_dot_option() -> None:
+    """``fuse:sources=pld.suffix:pld.max_n=2:suffix.match=4`` runs ``pld:max_n=2`` and
+    ``suffix:match=4``; such a mode string passes the check a command makes before any model
+    loads, and a bad source option fails it there."""
+    target = tiny_target()
+    fused = DRAFTERS.create("fuse:sources=pld.suffix:pld.max_n=2:suffix.match=4", target)
+    assert isinstance(fused, FuseDrafter) and list(fused.sources) == ["pld", "suffix"]
+    assert fused.sources["pld"].max_n == 2 and fused.sources["suffix"].match == 4  # type: ignore[attr-defined]
+    defaults = DRAFTERS.create("fuse:pld.min_n=2", target)  # the default sources, pld with min_n=2
+    assert isinstance(defaults, FuseDrafter) and list(defaults.sources) == ["pld", "suffix"]
+    assert defaults.sources["pld"].min_n == 2  # type: ignore[attr-defined]
+    spec, options = DRAFTERS.check("fuse:sources=pld.rest:rest.ctx=0")
+    assert spec.name == "fuse" and options == {"sources": "pld.rest", "rest.ctx": "0"}
+    with pytest.raises(UnknownModeError, match="mode 'rest' takes options"):
+        DRAFTERS.check("fuse:rest.ctx0=1")
+    with pytest.raises(UnknownModeError, match="takes options"):
+        DRAFTERS.check("pld:rest.ctx=0")  # only a mode that runs sources takes SOURCE.OPTION
+
+
+def test_greedy_fuse_with_a_source_option_equals_ar(tmp_path: Path) -> None:
+    """A fused source with an option (``rest.ctx=0``: REST from the datastore alone) is lossless
+    and drafts: greedy, every prompt, the same tokens as ``ar``."""
+    target = tiny_target("llama", backend="fast")
+    engine = datastore_engine(target, datastore_for(target, tmp_path / "v"), FLAT_CURVE)
+    mode = "fuse:sources=pld.rest:rest.ctx=0"
+    rest = engine.runtime(mode).drafter.sources["rest"]  # type: ignore[attr-defined]
+    assert rest.fuse_separator is None  # ctx=0 reached it (ctx=1 fuses the context: a separator)
+    assert engine.runtime("fuse:sources=pld.rest").drafter.sources["rest"].fuse_separator is not None  # type: ignore[attr-defined]
+    assert_modes_equal_ar(engine, target, [mode], 40, "fuse with rest.ctx=0")
 
 
 # -- identical to ar ----------------------------------------------------------------------------

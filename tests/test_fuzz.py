@@ -255,14 +255,14 @@ _NOT_FINITE = {"nan", "inf", "-inf", "1e309"}
 
 def must_refuse(msg: Message, mode_names: set[str]) -> str:
     """Why a correct worker refuses ``msg`` whatever else it holds ("" if it need not): an unknown
-    mode (unless ``speculation_off``), a mode option that is not a finite number (``pld:n=nan``), a
+    mode (``speculation_off`` or not), a mode option that is not a finite number (``pld:n=nan``), a
     temperature or top_p that is not finite, a text prompt over the worker's 256 KiB.
 
     E.g. ``GenerateRequest(mode="pld:n=inf")`` → ``"mode option inf"``."""
     if not isinstance(msg, generation_pb2.GenerateRequest):
         return ""
     name, _, options = msg.mode.partition(":")
-    if msg.mode and name not in mode_names and not msg.speculation_off:  # off: the mode is unused
+    if msg.mode and name not in mode_names:  # with speculation_off too: a mistake, not ignored
         return "unknown mode"
     values = {option.partition("=")[2] for option in options.split(":") if option}
     if values & _NOT_FINITE:

@@ -22,6 +22,7 @@ template's spec (for a CronJob, that of its job template).
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import socket
@@ -36,6 +37,7 @@ from kubernetes_validate.utils import all_versions, major_minor
 from helpers.k8s import (
     ALL_PORTS,
     ANYWHERE,
+    COMPONENTS,
     CONTAINER_DIR,
     DATASTORE_STARTUP_BUDGET_S,
     DEFAULT_GRACE_SECONDS,
@@ -70,6 +72,7 @@ from helpers.k8s import (
     prestop_seconds,
     quantity,
     render,
+    render_with_component,
     resource_files,
     selector_matches,
     service_selects,
@@ -440,6 +443,31 @@ def test_worker_args_parse_with_the_cli(
     assert args.datastore_addr.split(",") == expected
 
 
+# What one unit of each online store's bound holds, for SmolLM2-135M (docs/serving.md): a suffix
+# token kept about 0.5 KB, a Token Recycling matrix 1.97 MB.
+SUFFIX_BYTES_PER_TOKEN = 512
+RECYCLE_BYTES_PER_TENANT = 2_000_000
+
+
+def test_worker_online_stores_are_bounded_explicitly_within_its_memory(
+    docs: tuple[Manifest, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The worker names the bounds of its online drafting stores (``suffix``, ``recycle``) rather
+    than inheriting the CLI's defaults unseen, and what they bound fits in an eighth of its memory
+    limit, beside the weights and the KV caches."""
+    container = main_container(by_component(docs, "worker"))
+    for flag in ("--suffix-max-tokens", "--recycle-max-tenants"):
+        assert option(container["args"], flag), f"the worker does not set {flag}"
+    args = parse_cli(expand_env_refs(container["args"], container), capsys)
+    stores = (
+        args.suffix_max_tokens * SUFFIX_BYTES_PER_TOKEN + args.recycle_max_tenants * RECYCLE_BYTES_PER_TENANT
+    )
+    limit = quantity(container["resources"]["limits"]["memory"])
+    assert stores <= limit / 8, (
+        f"online stores up to {stores / 2**20:.0f} MiB of a {limit / 2**30:.1f} GiB limit"
+    )
+
+
 def test_datastore_args_parse_with_the_cli(
     docs: tuple[Manifest, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -576,6 +604,64 @@ def test_rebuild_job_runs_the_resumable_rebuild(docs: tuple[Manifest, ...]) -> N
     assert shard_args[shard_args.index("--versions-root") + 1] == "/data/versions"
     sources = {e["configMapRef"]["name"] for e in container.get("envFrom", [])}
     assert "specdraft-datastore" in sources
+
+
+def rebuild_args(docs: Sequence[Manifest], capsys: pytest.CaptureFixture[str]) -> argparse.Namespace:
+    """The job's ``datastore rebuild`` as its script runs it, parsed by the real CLI: ``CORPUS``
+    and ``BUILD_ARGS`` (split into words, as the script does) from the ConfigMap it reads."""
+    config = find(docs, "ConfigMap", "specdraft-datastore")["data"]
+    shard = "specdraft-datastore-0.specdraft-datastore:50062"
+    command = ["datastore", "rebuild", "--corpus", config["CORPUS"], "--data", "/data", "--admin-addr", shard]
+    return parse_cli([*command, *config["BUILD_ARGS"].split()], capsys)
+
+
+def test_rebuild_job_build_args_parse_with_the_cli(
+    docs: tuple[Manifest, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = rebuild_args(docs, capsys)
+    assert args.corpus.startswith("/data/") and args.dense and args.index == "auto"
+
+
+@pytest.fixture(params=COMPONENTS)
+def component_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_components_render_valid_documents_on_every_overlay(
+    kubectl: str, overlay: str, component_name: str, offline: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each overlay with each Component still validates against the schemas and keeps the rebuild
+    job's and Redis's properties (the tests above, run on the combined render)."""
+    docs = render_with_component(kubectl, overlay, component_name)
+    for version in SCHEMA_VERSIONS:
+        test_rendered_documents_match_schemas(docs, version, offline)
+    test_rebuild_job_runs_the_resumable_rebuild(docs)
+    test_redis_is_locked_down(docs)
+    test_every_redis_url_is_tls(docs)
+    rebuild_args(docs, capsys)
+
+
+def test_own_corpus_component_rebuilds_from_the_committed_corpus(
+    kubectl: str, overlay: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``components/own-corpus`` the rebuild job builds the target's own committed corpus,
+    which the datastore image bakes (a directory of this repository's ``corpus/``), with the dense
+    index ``make datastore-own`` builds; everything else of the overlay is unchanged."""
+    plain, own = render(kubectl, overlay), render_with_component(kubectl, overlay, "own-corpus")
+    args = rebuild_args(own, capsys)
+    baked = "/opt/specdraft/corpus/"
+    assert args.corpus.startswith(baked), f"CORPUS {args.corpus} is not the image's committed corpus"
+    committed = ROOT / "corpus" / args.corpus.removeprefix(baked)
+    assert (committed / "manifest.json").is_file(), f"{committed} is not a committed corpus directory"
+    image = main_container(by_component(own, "datastore-build"))["image"]
+    assert f"COPY --from=build /src/corpus {baked.rstrip('/')}" in dockerfile_for(image).read_text()
+    assert "corpus" not in (ROOT / ".dockerignore").read_text().split()
+    makefile = (ROOT / "Makefile").read_text()
+    dense_tokens = re.search(r"^OWN_DENSE_TOKENS\s*\?=\s*(\d+)", makefile, re.M)
+    assert dense_tokens and args.dense_tokens == int(dense_tokens.group(1)), "as make datastore-own"
+    assert args.dense and args.index == "ivf" and "--index ivf" in makefile
+    changed = [(d["kind"], d["metadata"]["name"]) for d, p in zip(own, plain, strict=True) if d != p]
+    assert changed == [("ConfigMap", "specdraft-datastore")], changed
 
 
 # ============================================================================= container files

@@ -25,7 +25,7 @@ from datastore_svc.rebuild import (
 )
 from datastore_svc.server import ShardServerConfig
 from datastore_svc.shard import ShardState
-from datastore_svc.store import write_version
+from datastore_svc.store import load_shard_arrays, write_version
 from helpers.datastores import tiny_identity
 from helpers.servers import ADMIN, ADMIN_TOKEN, ShardThread
 from specdraft.security import ServerSecurity
@@ -204,3 +204,65 @@ def test_cli_rebuild_resumes_a_pending_version(
         assert not (data / PENDING).exists()
     finally:
         shard.stop()
+
+
+def test_cli_rebuild_from_a_committed_corpus_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``datastore rebuild --corpus corpus/<model>`` (the Kubernetes job with the own-corpus
+    component, k8s/components/own-corpus) builds the target's own committed corpus: the train
+    split's conversations, never a held-out one's answer, and makes it current on the running
+    shard and in ``DATA/current``; a directory that is no committed corpus is one clear error."""
+    from transformers import AutoTokenizer
+
+    from llm_worker.training.corpus import pack
+
+    work, corpus = tmp_path / "work", tmp_path / "corpus" / "de7dc0073f16aefd"
+    work.mkdir()
+    (work / "prompts.jsonl").write_text(json.dumps({"id": "self-0", "kind": "self", "text": "q"}) + "\n")
+    with open(work / "conversations.jsonl", "w") as f:
+        for i, split in enumerate(["train", "heldout", "train", "train"]):
+            answer = "the held-out answer" if split == "heldout" else f"def square_{i}(x): return x * x"
+            messages = [
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": answer},
+            ]
+            f.write(
+                json.dumps({"id": f"self-{i}", "kind": "self", "split": split, "messages": messages}) + "\n"
+            )
+    pack(work, corpus)
+    data = tmp_path / "data"
+    first = tmp_path / "first.jsonl"
+    first.write_text(json.dumps({"text": "def f(x):\n    return x\n"}) + "\n")
+    assert (
+        main(["datastore", "build", "--corpus", str(first), "--quiet", "--out", str(data / VERSIONS / "v1")])
+        == 0
+    )
+    point_current(data, "v1")
+    monkeypatch.setenv("SPECDRAFT_ADMIN_TOKEN", ADMIN_TOKEN)
+    shard = ShardThread(ShardState.open(data / "current", 0, versions_root=data / VERSIONS))
+    try:
+        command = [
+            "datastore",
+            "rebuild",
+            "--data",
+            str(data),
+            "--admin-addr",
+            shard.admin_address,
+            "--quiet",
+        ]
+        capsys.readouterr()
+        assert main([*command, "--corpus", str(tmp_path / "work")]) == 2
+        assert "not a committed corpus" in capsys.readouterr().err
+        assert main([*command, "--corpus", str(corpus), "--version", "own"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["version"] == "own" and "3 train conversations" in err
+        assert shard.state.current_version() == "own" and current_name(data) == "own"
+    finally:
+        shard.stop()
+    manifest = json.loads((data / VERSIONS / "own" / "manifest.json").read_text())
+    assert manifest["documents"] == 3
+    tokens = load_shard_arrays(data / VERSIONS / "own", 0)["tokens"]
+    tokenizer = AutoTokenizer.from_pretrained(manifest["model"])
+    text = tokenizer.decode([int(t) for t in tokens if t < manifest["separator"]])
+    assert "def square_3(x)" in text and "held-out" not in text

@@ -94,6 +94,15 @@ BAD_REQUESTS = {
     "no prompt": (generation_pb2.GenerateRequest(max_new_tokens=4), "exactly one prompt"),
     "unknown mode": (build_request(text="hi", options=RequestOptions(mode="nope")), "unknown mode 'nope'"),
     "bad option": (build_request(text="hi", options=RequestOptions(mode="pld:x=1")), "takes options"),
+    # speculation off decodes plainly, but a mode it names must still be one (not silently ignored)
+    "unknown mode, speculation off": (
+        build_request(text="hi", options=RequestOptions(mode="nosuchmode:n=1", speculation_off=True)),
+        "unknown mode 'nosuchmode'",
+    ),
+    "bad option, speculation off": (
+        build_request(text="hi", options=RequestOptions(mode="pld:max_n=x", speculation_off=True)),
+        "max_n='x' is not an integer",
+    ),
     "token out of range": (build_request(token_ids=[1, 10**6]), "outside the vocabulary"),
     "too long": (build_request(text="hi", options=RequestOptions(max_new_tokens=5000)), "exceeds the model"),
     "top_p": (build_request(text="hi", options=RequestOptions(temperature=1.0, top_p=1.5)), "top_p"),

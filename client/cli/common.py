@@ -67,6 +67,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def addresses(text: str) -> tuple[str, ...]:
     """``"a:1, b:2,"`` → ``("a:1", "b:2")``."""
     return tuple(a.strip() for a in text.split(",") if a.strip())
@@ -161,6 +168,36 @@ def worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str
     out += ["--prefix-cache-mb", str(getattr(args, "prefix_cache_mb", PREFIX_CACHE_MB))]
     out += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     return out + (["--threads", str(threads)] if threads else [])
+
+
+def add_online_store_args(p: argparse.ArgumentParser) -> None:
+    """The bounds of a worker's online drafting stores (``serve worker``, ``serve http``, and
+    ``up``, which passes them to its workers: ``online_store_args``). The defaults are
+    ``llm_worker.assembly.ResourceConfig``'s (not imported here: parsing stays fast)."""
+    g = p.add_argument_group("online drafting (suffix, recycle)")
+    g.add_argument(
+        "--suffix-max-tokens",
+        type=positive_int,
+        default=262_144,
+        help="tokens suffix mode keeps of finished requests, over all tenants (oldest evicted)",
+    )
+    g.add_argument(
+        "--recycle-max-tenants",
+        type=positive_int,
+        default=16,
+        help="Token Recycling matrices kept, one per tenant (least recently used evicted)",
+    )
+
+
+def online_store_args(args: argparse.Namespace) -> list[str]:
+    """``add_online_store_args``'s options of this command as ``serve worker`` arguments:
+    ``["--suffix-max-tokens", "262144", "--recycle-max-tenants", "16"]`` by default."""
+    return [
+        "--suffix-max-tokens",
+        str(args.suffix_max_tokens),
+        "--recycle-max-tenants",
+        str(args.recycle_max_tenants),
+    ]
 
 
 def add_chat_template_arg(p: argparse.ArgumentParser) -> None:

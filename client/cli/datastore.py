@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +20,7 @@ from client.cli.common import (
     engine_from_args,
     model_config,
     model_from_args,
+    non_negative_int,
     positive_int,
     print_json,
     tokenizer_from_args,
@@ -44,7 +48,11 @@ def add_datastore(sub: Any) -> None:
 def _add_build(dsc_sub: Any) -> None:
     """``datastore build``."""
     bd = dsc_sub.add_parser("build", help="build a new version from a JSONL corpus")
-    bd.add_argument("--corpus", help='JSONL of {"text"}, {"prompt","response"} or {"messages"}')
+    bd.add_argument(
+        "--corpus",
+        help='JSONL of {"text"}, {"prompt","response"} or {"messages"}, or a committed corpus '
+        "directory (corpus/<model>: its train split's conversations)",
+    )
     bd.add_argument("--out", required=True, help="the new version directory (must not exist)")
     bd.add_argument("--shards", type=positive_int, default=1)
     _add_version_args(bd, derive=True)
@@ -74,8 +82,13 @@ def _add_version_args(p: argparse.ArgumentParser, derive: bool) -> None:
         help="auto = exact search (flat) up to 50k keys per shard, inverted lists (ivf) above",
     )
     dn.add_argument("--hnsw-m", type=positive_int, default=32)
-    dn.add_argument("--ivf-lists", type=int, default=0, help="0 = about 4 sqrt(keys)")
-    dn.add_argument("--pq-bytes", type=int, default=0, help="ivfpq bytes per key (0 = dims / 2)")
+    dn.add_argument(
+        "--ivf-lists",
+        type=non_negative_int,
+        default=0,
+        help="inverted lists per shard, at most its keys (0 = about 4 sqrt(keys))",
+    )
+    dn.add_argument("--pq-bytes", type=non_negative_int, default=0, help="ivfpq bytes per key (0 = dims / 2)")
     dn.add_argument("--window", type=positive_int, default=512, help="tokens per forward window")
     dn.add_argument(
         "--overlap", type=int, default=None, help="context tokens before each window (default window/4, ≤ 64)"
@@ -210,7 +223,9 @@ def _add_rebuild(dsc_sub: Any) -> None:
         help="build a version and make it current on every shard and in DATA/current "
         "(resumable: a rerun finishes a killed one; a restarting shard never goes back)",
     )
-    rb.add_argument("--corpus", required=True, help="the JSONL corpus (as for build)")
+    rb.add_argument(
+        "--corpus", required=True, help="the JSONL corpus or a committed corpus directory (as for build)"
+    )
     rb.add_argument(
         "--data", required=True, help="the datastore volume: DATA/versions/<V>, DATA/current -> versions/<V>"
     )
@@ -276,10 +291,51 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CliError("--from adds a dense index to an existing version's tokens: add --dense")
     if bool(args.source) == bool(args.corpus):
         raise CliError("give --corpus FILE (a new version) or --from VERSION --dense (a dense rebuild)")
-    if args.corpus and not Path(args.corpus).is_file():
-        raise CliError(f"corpus {args.corpus} does not exist")
+    if args.corpus:
+        _check_corpus(args.corpus)
     print_json(_build_version(args, Path(args.out), args.shards))
     return 0
+
+
+def _check_corpus(corpus: str) -> None:
+    """A CliError unless ``corpus`` is a JSONL file or a committed corpus directory (with its
+    ``manifest.json``; its files are checked when read)."""
+    from llm_worker.training.corpus import MANIFEST
+
+    path = Path(corpus)
+    if path.is_dir() and not (path / MANIFEST).is_file():
+        raise CliError(f"corpus {corpus} is a directory without a {MANIFEST}: not a committed corpus")
+    if not path.exists():
+        raise CliError(f"corpus {corpus} does not exist")
+
+
+def _own_conversations(corpus: Path) -> Iterator[dict[str, Any]]:
+    """The train split of a committed corpus directory as datastore records (chat ``messages``)."""
+    from llm_worker.training.corpus import conversations
+
+    return ({"id": c["id"], "messages": c["messages"]} for c in conversations(corpus, "train"))
+
+
+@contextmanager
+def _corpus_file(corpus: str) -> Iterator[str]:
+    """The JSONL file a build reads: ``corpus`` itself, or for a committed corpus directory
+    (``corpus/<model>``) its train split written to a temporary file, removed afterwards, as
+    ``datastore own-corpus`` writes it. So ``datastore rebuild --corpus corpus/de7dc0073f16aefd``
+    builds what ``make datastore-own`` builds, and held-out answers never enter the version."""
+    from datastore_svc.corpus import write_jsonl
+    from llm_worker.training.corpus import CorpusError
+
+    if not Path(corpus).is_dir():
+        yield corpus
+        return
+    with tempfile.TemporaryDirectory(prefix="specdraft-own-corpus-") as tmp:
+        out = Path(tmp) / "corpus.jsonl"
+        try:
+            count = write_jsonl(out, _own_conversations(Path(corpus)))
+        except (CorpusError, OSError) as exc:
+            raise CliError(str(exc)) from exc
+        sys.stderr.write(f"corpus {corpus}: {count} train conversations\n")
+        yield str(out)
 
 
 def _build_version(args: argparse.Namespace, out: Path, shards: int) -> dict[str, Any]:
@@ -307,7 +363,8 @@ def _build_version(args: argparse.Namespace, out: Path, shards: int) -> dict[str
                 raise CliError(f"{args.source} was built with another tokenizer than {model_dir}'s")
             derive_version(args.source, out, extend)
         else:
-            build(args.corpus, tokenizer, out, shards, str(model_dir), not args.quiet, extend)
+            with _corpus_file(args.corpus) as corpus:
+                build(corpus, tokenizer, out, shards, str(model_dir), not args.quiet, extend)
         version = DatastoreVersion(out, verify=False)
     except (DatastoreError, CorpusError, DenseError) as exc:
         raise CliError(str(exc)) from exc
@@ -369,8 +426,7 @@ def cmd_own_corpus(args: argparse.Namespace) -> int:
 
     corpus = Path(args.corpus)
     try:
-        records = ({"id": c["id"], "messages": c["messages"]} for c in conversations(corpus, "train"))
-        counts = {"conversations": write_jsonl(args.out, records)}
+        counts = {"conversations": write_jsonl(args.out, _own_conversations(corpus))}
         if args.questions_out:
             held_out = own_questions(conversations(corpus, "heldout"))
             counts["questions"] = write_jsonl(args.questions_out, held_out)
@@ -456,8 +512,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     from datastore_svc.fanout import SwapError
     from datastore_svc.rebuild import STEPS, RebuildConfig, RebuildError, rebuild
 
-    if not Path(args.corpus).is_file():
-        raise CliError(f"corpus {args.corpus} does not exist")
+    _check_corpus(args.corpus)
     shards = addresses(args.admin_addr)
     cfg = RebuildConfig(
         Path(args.data), shards, args.version, client_security(args, admin=True), args.timeout

@@ -14,12 +14,12 @@ from client.cli.common import (
     add_client_security_args,
     add_datastore_args,
     add_model_args,
+    add_online_store_args,
     add_server_security_args,
     addresses,
     chat_template,
     client_security,
     engine_from_args,
-    positive_int,
     server_security,
 )
 
@@ -136,19 +136,7 @@ def _add_worker_args(p: argparse.ArgumentParser, refusal: str) -> None:
     p.add_argument(
         "--max-generation-seconds", type=float, default=600.0, help="wall time one generation may take"
     )
-    g = p.add_argument_group("online drafting (suffix, recycle)")
-    g.add_argument(
-        "--suffix-max-tokens",
-        type=positive_int,
-        default=262_144,
-        help="tokens suffix mode keeps of finished requests, over all tenants (oldest evicted)",
-    )
-    g.add_argument(
-        "--recycle-max-tenants",
-        type=positive_int,
-        default=16,
-        help="Token Recycling matrices kept, one per tenant (least recently used evicted)",
-    )
+    add_online_store_args(p)
 
 
 def _worker(args: argparse.Namespace) -> Any:

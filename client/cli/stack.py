@@ -9,7 +9,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from client.cli.common import CliError, add_model_args, positive_int, print_json, worker_model_args
+from client.cli.common import (
+    CliError,
+    add_model_args,
+    add_online_store_args,
+    online_store_args,
+    positive_int,
+    print_json,
+    worker_model_args,
+)
 
 
 def add_stack(sub: Any) -> None:
@@ -28,6 +36,7 @@ def add_stack(sub: Any) -> None:
     u.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for SERVING")
     u.add_argument("--no-warm", dest="warm", action="store_false", help="workers skip the cost curve")
     u.add_argument("--state-dir", help="where the state file and logs live (default: the user cache)")
+    add_online_store_args(u)  # each worker's bounds
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("down", help="stop the local stack")
@@ -69,7 +78,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     threads = args.threads or (max(1, (os.cpu_count() or 1) // args.workers) if args.workers > 1 else None)
     worker_args = worker_model_args(args, threads)
-    worker_args += ["--max-concurrent", str(args.max_concurrent)]
+    worker_args += ["--max-concurrent", str(args.max_concurrent), *online_store_args(args)]
     if not args.warm:
         worker_args.append("--no-warm")
     cfg = StackConfig(

@@ -24,6 +24,9 @@ RUN groupadd --gid 10001 specdraft \
             --shell /usr/sbin/nologin specdraft \
  && install -d -o 10001 -g 10001 /cache /data
 COPY --from=build /opt/venv /opt/venv
+# The target's own committed corpus (corpus/<model>/): what the rebuild job builds from with
+# k8s/components/own-corpus (CORPUS=/opt/specdraft/corpus/<model>).
+COPY --from=build /src/corpus /opt/specdraft/corpus
 ENV PATH=/opt/venv/bin:$PATH \
     SPECDRAFT_CACHE=/cache \
     HF_HUB_OFFLINE=1 \

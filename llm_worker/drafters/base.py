@@ -279,6 +279,9 @@ class DrafterSpec:
     summary: str
     factory: DrafterFactory
     options: tuple[str, ...] = ()
+    source_options: bool = False
+    """The mode runs other modes (``fuse``) and passes them options named ``SOURCE.OPTION``:
+    ``fuse:sources=pld.rest:rest.ctx=0`` runs ``rest:ctx=0``."""
 
 
 def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
@@ -320,12 +323,12 @@ class DrafterRegistry:
         self._specs: dict[str, DrafterSpec] = {}
 
     def register(
-        self, name: str, summary: str, options: tuple[str, ...] = ()
+        self, name: str, summary: str, options: tuple[str, ...] = (), source_options: bool = False
     ) -> Callable[[DrafterFactory], DrafterFactory]:
         def add(factory: DrafterFactory) -> DrafterFactory:
             if name in self._specs:
                 raise ValueError(f"drafting mode {name!r} registered twice")
-            self._specs[name] = DrafterSpec(name, summary, factory, options)
+            self._specs[name] = DrafterSpec(name, summary, factory, options, source_options)
             return factory
 
         return add
@@ -358,10 +361,21 @@ class DrafterRegistry:
         mode takes, else ``UnknownModeError``; builds nothing and needs no model, so a command can
         refuse a mistyped mode before it loads one. Option values are checked by ``create``.
         Example: ``check("pld:max_n=4")`` → (pld's spec, ``{"max_n": "4"}``); ``check("pld:window=3")``
-        → "mode 'pld' takes options [...], not ['window']"."""
+        → "mode 'pld' takes options [...], not ['window']". A mode with ``source_options`` also takes
+        ``SOURCE.OPTION`` for an option of the mode SOURCE: ``check("fuse:rest.ctx=0")`` passes,
+        ``check("fuse:rest.window=3")`` → "fuse option 'rest.window': mode 'rest' takes options
+        [...], not ['window']"."""
         name, options = parse_mode(mode)
         spec = self.spec(name)
         unknown = set(options) - set(spec.options)
+        if spec.source_options:
+            for key in sorted(k for k in unknown if "." in k):
+                source, _, option = key.partition(".")
+                try:
+                    self.check(f"{source}:{option}=")
+                except UnknownModeError as exc:
+                    raise UnknownModeError(f"{name} option {shorten(key)!r}: {exc}") from None
+                unknown.discard(key)
         if unknown:
             given = shorten(str(sorted(unknown)))
             raise UnknownModeError(f"mode {name!r} takes options {list(spec.options) or 'none'}, not {given}")

@@ -1,14 +1,15 @@
 """``fuse``: one token tree from several drafters at once.
 
 Each step every source drafter (``sources=pld.suffix.recycle``; by default every one of ``pld``,
-``suffix``, ``rest``, ``dresd`` this worker can run) proposes with the step's budget,
+``suffix``, ``rest``, ``dresd`` this worker can run; options of a source as ``SOURCE.OPTION``:
+``fuse:sources=pld.rest:rest.ctx=0``) proposes with the step's budget,
 and their trees are merged into one trie (``fuse_trees``: the same token path is one node). A
 node's feature names who proposed it, so the planner learns each source's acceptance per depth
 and confidence, as it does for a single drafter, and prunes the fused tree by expected gain on
 the measured verify cost curve; a node several sources agree on gets a key of its own, so the
 planner also learns what agreement is worth. Example: ``pld`` drafts [4, 2] (feature ``m3``),
 ``suffix`` drafts [4, 7] (``suffix:own:m4:p0.6:n2``) → tokens (4, 2, 7), parents (-1, 0, 0),
-features (``pld&suffix:m3``, ``pld:m3``, ``suffix:suffix:own:m4:p0.6:n2``).
+features (``pld&suffix:m3``, ``pld:m3``, ``suffix:own:m4:p0.6:n2``).
 
 After verification each source also hears the verdict on its own tree (``verdict_on``: mapped by
 token path) in its own per-request state, and the accepted tokens are counted per source
@@ -51,9 +52,11 @@ EPYC) its wide trees took the fused mode from 1.01-1.04x ``ar`` to 0.67x
 def fused_feature(by_source: Mapping[str, str]) -> str:
     """The planner's key of a node from the sources that proposed it and their own features:
     ``{"pld": "m3"}`` → ``"pld:m3"``; ``{"suffix": "suffix:own:m4:p0.6:n2", "pld": "m3"}`` →
-    ``"pld&suffix:m3"`` (names sorted, then the first one's feature)."""
+    ``"pld&suffix:m3"`` (names sorted, then the first one's feature). A feature that already starts
+    with its source's name keeps it once: ``{"suffix": "suffix:own:m4:p0.6:n2"}`` →
+    ``"suffix:own:m4:p0.6:n2"``, not ``"suffix:suffix:own:..."``."""
     names = sorted(by_source)
-    return f"{'&'.join(names)}:{by_source[names[0]]}"
+    return f"{'&'.join(names)}:{by_source[names[0]].removeprefix(names[0] + ':')}"
 
 
 def fuse_trees(trees: Mapping[str, DraftTree]) -> DraftTree:
@@ -201,30 +204,56 @@ class FuseDrafter(Drafter):
         return chain.from_iterable(source.tensors() for source in self.sources.values())
 
 
-def create_sources(target: TargetModel, named: str | None, resources: DraftResources) -> list[Drafter]:
-    """The drafters ``sources=`` names (dot-separated mode names, each with its defaults), or, with
-    None, every one of ``DEFAULT_SOURCES`` this worker can run. A name that is no mode, or one
-    that cannot be a source (``ar``, ``fuse``), is an ``UnknownModeError``; a named source this
+def source_modes(options: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
+    """The mode string each of ``names`` (sources) runs: its name with the fuse options
+    ``SOURCE.OPTION`` given to it. Example: options ``{"sources": "pld.rest", "rest.ctx": "0"}``,
+    names ``["pld", "rest"]`` → ``{"pld": "pld", "rest": "rest:ctx=0"}``. An option for a source
+    not among ``names`` is an ``UnknownModeError``."""
+    modes = {name: name for name in names}
+    for key, value in sorted(options.items()):
+        source, dot, option = key.partition(".")
+        if not dot:
+            continue
+        if source not in modes:
+            raise UnknownModeError(
+                f"fuse option {shorten(key)!r}: {shorten(source)!r} is not a source here "
+                f"(sources: {'.'.join(names)})"
+            )
+        modes[source] += f":{option}={value}"
+    return modes
+
+
+def create_sources(
+    target: TargetModel, options: Mapping[str, str], resources: DraftResources
+) -> list[Drafter]:
+    """The drafters ``sources=`` names (dot-separated mode names, each with its defaults and the
+    options ``SOURCE.OPTION`` give it: ``source_modes``), or, without ``sources=``, every one of
+    ``DEFAULT_SOURCES`` this worker can run. A name that is no mode, or one that cannot be a source
+    (``ar``, ``fuse``), or a bad source option, is an ``UnknownModeError``; a named source this
     worker cannot run, a ``ModeUnavailableError``."""
+    named = options.get("sources")
     if named is None:
         sources = []
-        for name in DEFAULT_SOURCES:
+        for name, mode in source_modes(options, DEFAULT_SOURCES).items():
             try:
-                sources.append(DRAFTERS.create(name, target, resources))
+                sources.append(DRAFTERS.create(mode, target, resources))
             except ModeUnavailableError:
                 continue
+            except UnknownModeError as exc:
+                raise UnknownModeError(f"fuse source {name!r}: {exc}") from None
         return sources
     names = named.split(".")
     if not all(names):
         raise UnknownModeError(f"fuse: sources={shorten(named)!r} names an empty source")
     if len(set(names)) < len(names):
         raise UnknownModeError(f"fuse: sources={shorten(named)!r} names a source twice")
-    sources = []
     for name in names:
         if name in ("ar", "fuse"):
             raise UnknownModeError(f"fuse: {name!r} cannot be a source")
+    sources = []
+    for name, mode in source_modes(options, names).items():
         try:
-            sources.append(DRAFTERS.create(name, target, resources))
+            sources.append(DRAFTERS.create(mode, target, resources))
         except UnknownModeError as exc:
             raise UnknownModeError(f"fuse source {shorten(name)!r}: {exc}") from None
         except ModeUnavailableError as exc:
@@ -234,8 +263,10 @@ def create_sources(target: TargetModel, named: str | None, resources: DraftResou
 
 @DRAFTERS.register(
     "fuse",
-    "one token tree from several drafters (sources=pld.suffix...), pruned by each source's learned prior",
+    "one token tree from several drafters (sources=pld.suffix...; a source's options as "
+    "SOURCE.OPTION, e.g. rest.ctx=0), pruned by each source's learned prior",
     ("sources",),
+    source_options=True,
 )
 def _make_fuse(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
-    return FuseDrafter(create_sources(target, options.get("sources"), resources))
+    return FuseDrafter(create_sources(target, options, resources))

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import re
 import shutil
 import subprocess
 import sysconfig
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ K8S = ROOT / "k8s"
 BASE = K8S / "base"
 CONTAINER_DIR = ROOT / "deploy" / "container"
 OVERLAYS = ("cpu", "gpu")
+COMPONENTS = ("own-corpus",)  # k8s/components/*: kustomize Components an overlay may add
 SCHEMA_VERSIONS = ("1.30", "1.37")
 NAMESPACE = "specdraft"
 UID = 10001
@@ -91,6 +94,24 @@ def render(kubectl: str, overlay: str) -> tuple[Manifest, ...]:
         [kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, f"kubectl kustomize k8s/overlays/{overlay} failed:\n{done.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc is not None)
+
+
+@functools.cache
+def render_with_component(kubectl: str, overlay: str, name: str) -> tuple[Manifest, ...]:
+    """``k8s/overlays/<overlay>`` with the Component ``k8s/components/<name>`` added, as a user's
+    overlay adds it (``components: [...]``), rendered from a temporary kustomization that names
+    both by relative path (kustomize refuses absolute ones)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        kustomization = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [os.path.relpath(K8S / "overlays" / overlay, tmp)],
+            "components": [os.path.relpath(K8S / "components" / name, tmp)],
+        }
+        (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        done = subprocess.run([kubectl, "kustomize", tmp], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"kubectl kustomize of {overlay} + component {name} failed:\n{done.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc is not None)
 
 
