@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus datastore-own gpu-train gpu-scaling clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus datastore-own gpu-train gpu-scaling gpu-check clean
 
 setup: $(STAMP)
 
@@ -179,6 +179,16 @@ gpu-train: setup
 # glide:vanilla=1 and edd on growing prefixes of the corpus's features; reports into GPU_OUT).
 gpu-scaling: setup
 	PY=$(PY) OUT_DIR=$(GPU_OUT) bash scripts/gpu/scaling.sh
+
+# On a machine with a GPU (docs/gpu.md): `pytest -m cuda` and a short benchmark (every mode, float32
+# and bfloat16, 1 and 16 concurrent requests, transformers' generate beside), about 8 minutes;
+# one JSON and one Markdown report in GPU_CHECK_OUT. Installs nothing: on a bare GPU machine run
+# `python3 scripts/gpu/check.py` with what scripts/gpu/pack.sh carried (no venv there).
+GPU_CHECK_OUT  ?= bench-out/gpu-check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),python3) scripts/gpu/check.py \
+	  --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 calibrate: setup
 	$(VENV)/bin/specdraft calibrate-heads --ship

@@ -104,6 +104,8 @@ class PendingSparse:
         self.cfg = cfg
         self.version = version
         self.sent = time.perf_counter()
+        self.in_time = False
+        """Every shard had answered when ``take`` took the answer."""
         self._answered_at: list[float] = []
         for call in self.calls:
             call.add_done_callback(self._answered)
@@ -123,6 +125,7 @@ class PendingSparse:
             else:
                 call.cancel()
                 remote.late[address] += 1
+        self.in_time = len(ready) == len(self.calls)
         if self._answered_at:
             remote.times.add("prefetch", max(self._answered_at) - self.sent)
         return remote._sparse_answer(remote._answered(ready), self.cfg, self.version)

@@ -52,6 +52,9 @@ class SparseRetriever(Protocol):
 class PendingAnswer(Protocol):
     """A sparse retrieval in flight (``PrefetchingRetriever.prefetch``)."""
 
+    in_time: bool
+    """After ``take``: every shard had answered by then."""
+
     def take(self) -> SparseAnswer:
         """What has been answered by now, without waiting; the rest is dropped."""
         ...

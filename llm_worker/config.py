@@ -46,6 +46,13 @@ class ModelConfig:
     (``llm_worker.model.native``; AVX2 and a C++ compiler needed, else torch operations are
     used); False: torch operations. The two compute the same functions in different orders, so
     their tokens may differ in a near-tie; each is batch-invariant."""
+    ops: Literal["auto", "triton", "torch", "fused"] = "auto"
+    """Fast backend: what runs the forward's operations. "triton": row-invariant Triton kernels
+    (``llm_worker.model.ops_triton``; CUDA); "torch": torch operations (on CUDA cuBLAS and
+    torch's attention: fast, but *not* batch-invariant there, so a speculative mode may differ
+    from ``ar`` in a near-tie); "fused": the fused CPU kernels; "auto": triton on CUDA (torch,
+    with a warning, where triton is not installed), on CPU the fused kernels where
+    ``fused_kernels`` and they build, else torch."""
     kv_pool_slots: int = 16
     """Fast backend: requests whose KV caches share one pool, so that their decode steps'
     attention runs as one batched GEMM chain (more concurrent requests get caches of their own;

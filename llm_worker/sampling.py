@@ -106,6 +106,7 @@ class SamplingNoise:
         self.seed = secrets.randbits(63) if seed is None else int(seed)
         self.vocab = vocab
         self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._copies: OrderedDict[tuple[int, torch.device], torch.Tensor] = OrderedDict()
 
     def exponentials(self, position: int) -> torch.Tensor:
         """[vocab] float64 standard exponential noise of ``position``, every entry > 0."""
@@ -120,11 +121,26 @@ class SamplingNoise:
                 self._kept.popitem(last=False)
         return noise
 
+    def exponentials_on(self, position: int, device: torch.device) -> torch.Tensor:
+        """``exponentials(position)`` on ``device``: drawn on the host, copied to another device
+        once and kept there (a position is usually asked for twice, by a drafter, then by the
+        verifier: on a GPU one 400 kB copy of the default model's vocabulary, not two)."""
+        noise = self.exponentials(position)
+        if device == noise.device:
+            return noise
+        key = (position, device)
+        copy = self._copies.get(key)
+        if copy is None:
+            copy = self._copies[key] = noise.to(device)
+            if len(self._copies) > self.KEEP:
+                self._copies.popitem(last=False)
+        return copy
+
     def choose(self, probs: torch.Tensor, position: int, ids: torch.Tensor | None = None) -> int:
         """The token sampled at ``position`` from probs: [vocab] (or, with ``ids`` [n] the
         vocabulary ids of probs' n entries — a drafter's reduced vocabulary —, the index into
         probs whose token wins the same race)."""
-        noise = self.exponentials(position).to(probs.device)  # drawn on the host, used beside probs
+        noise = self.exponentials_on(position, probs.device)
         if ids is not None:
             noise = noise[ids]
         return int((probs.double() / noise).argmax())

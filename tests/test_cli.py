@@ -452,3 +452,22 @@ def test_modes_lines_are_aligned_with_reasons_and_json_carries_them(
         assert line[column:].startswith(m["summary"]), line
     for m in unavailable:
         assert " " * column + "unavailable here: " + m["unavailable_reason"] in lines, m["name"]
+
+
+def test_the_ops_option_reaches_the_model_config_and_the_workers_it_starts() -> None:
+    """``--ops`` (the forward's operations) is a model option: in the ``ModelConfig`` and passed on
+    to the ``serve worker`` processes a command starts; its default is left out of their lines."""
+    import argparse
+
+    from client.cli.common import add_model_args, model_config, worker_model_args
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    torch_ops = parser.parse_args(["--device", "cuda", "--ops", "torch"])
+    assert model_config(torch_ops).ops == "torch"
+    line = worker_model_args(torch_ops, None)
+    assert line[line.index("--ops") + 1] == "torch"
+    default = parser.parse_args([])
+    assert model_config(default).ops == "auto" and "--ops" not in worker_model_args(default, None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ops", "cublas"])

@@ -8,7 +8,7 @@ import torch
 
 from llm_worker import sampling
 from llm_worker.config import SamplingParams
-from llm_worker.sampling import nucleus, warp_logits
+from llm_worker.sampling import SamplingNoise, nucleus, warp_logits
 
 
 def nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> set[int]:
@@ -51,3 +51,17 @@ def test_warp_keeps_the_nucleus_renormalised_row_by_row() -> None:
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0, 0], [0, 0, 0.375, 0.625]]))
     alone = warp_logits(logits[1:], SamplingParams(temperature=1.0, top_p=0.75))
     assert torch.equal(probs[1:], alone)  # a row's distribution does not depend on the others
+
+
+def test_noise_is_copied_to_another_device_once_per_position() -> None:
+    """On a GPU the verifier and a sampling drafter read a position's noise beside their
+    probabilities: it is copied there once, not at every ``choose`` (the meta device stands in)."""
+    noise = SamplingNoise(7, 50)
+    meta = torch.device("meta")
+    first = noise.exponentials_on(3, meta)
+    assert first.device == meta and first.shape == (50,) and first.dtype == torch.float64
+    assert noise.exponentials_on(3, meta) is first
+    assert noise.exponentials_on(3, torch.device("cpu")) is noise.exponentials(3)
+    for position in range(4, 4 + SamplingNoise.KEEP):  # only the last few positions are kept
+        noise.exponentials_on(position, meta)
+    assert noise.exponentials_on(3, meta) is not first

@@ -119,6 +119,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="fast backend: torch operations between the GEMMs instead of the fused CPU kernels",
     )
     g.add_argument(
+        "--ops",
+        default="auto",
+        choices=["auto", "triton", "torch", "fused"],
+        help="fast backend operations: triton (row-invariant kernels, CUDA), torch (on CUDA cuBLAS: "
+        "faster, not batch-invariant), fused (CPU kernels); auto: triton on CUDA, fused on CPU",
+    )
+    g.add_argument(
         "--prefix-cache-mb",
         type=float,
         default=PREFIX_CACHE_MB,
@@ -146,6 +153,7 @@ def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None)
         backend=backend or args.backend,
         kernel=args.kernel,
         fused_kernels=args.fused,
+        ops=args.ops,
         max_context=args.max_model_len,
     )
 
@@ -165,6 +173,7 @@ def worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str
     out = ["--dtype", args.dtype, "--device", args.device, "--backend", args.backend, "--kernel", args.kernel]
     out += ["--model", args.model] if args.model else []
     out += [] if args.fused else ["--no-fused"]
+    out += ["--ops", args.ops] if args.ops != "auto" else []
     out += ["--prefix-cache-mb", str(getattr(args, "prefix_cache_mb", PREFIX_CACHE_MB))]
     out += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     return out + (["--threads", str(threads)] if threads else [])

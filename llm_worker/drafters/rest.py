@@ -148,8 +148,9 @@ class RestDrafter(Drafter):
         than a draft's by a draft and its bonus token (``_ahead``); the tokens committed since
         (accepted drafts and the bonus) select and shorten them (``continued``). Example: sent
         after [.. 7, 8], answered with [9, 4, 5, 6] and [9, 2]; 9 and 4 committed since →
-        [5, 6]. Shards that had not answered when taken are cancelled: a slow shard costs
-        candidates, never a wait.
+        [5, 6]. Where no candidate follows the committed tokens, the shards, which answered in
+        time, are asked again for this step. Shards that had not answered when taken are
+        cancelled and not asked again: a slow shard costs candidates, never a wait.
         """
         state = ctx.request_state.drafter
         if not isinstance(state, _PrefetchState):
@@ -161,6 +162,9 @@ class RestDrafter(Drafter):
             taken = state.pending.take()
             committed = ctx.tokens[state.length :]
             answer = SparseAnswer(continued(taken.retrieval, committed, self.cfg.max_length), taken.version)
+            if not answer.retrieval.candidates and state.pending.in_time:
+                # the shards answer in time but not after these tokens: ask them again now
+                answer = prefetcher.retrieve(context, self.cfg, answer.version or pinned)
         state.pending = prefetcher.prefetch(context, self._ahead, answer.version or pinned)
         state.length = len(ctx.tokens)
         return answer

@@ -28,11 +28,21 @@ class Backend:
     make: Callable[[Any, TargetInfo, ModelConfig], TargetModel]
 
 
+OPS_NAMES = {"auto": None, "triton": "triton", "torch": "torch", "fused": "cpu-fused"}
+"""``ModelConfig.ops`` → the implementation's name in ``ops.OPS`` (None: ``fast_llama``'s choice)."""
+
+
 def _fast(model: Any, info: TargetInfo, cfg: ModelConfig) -> TargetModel:
     """The fast forward; its operations choose the GEMM kernels (``Ops.choose_kernels``: ``--kernel``
     "auto" or one kernel for every role)."""
     return FastLlamaTarget(
-        model, info, cfg.kernel, cfg.attention_chunk, cfg.kv_pool_slots, fused=cfg.fused_kernels
+        model,
+        info,
+        cfg.kernel,
+        cfg.attention_chunk,
+        cfg.kv_pool_slots,
+        fused=cfg.fused_kernels,
+        ops=OPS_NAMES[cfg.ops],
     )
 
 

@@ -17,7 +17,9 @@ what speculative decoding needs built in:
   for every row count (``kernels``: chosen among those that are invariant on this machine,
   padding forwards with fewer rows than the kernel's minimum); attention reduces each query's
   keys in one order whatever the other queries (``ops_cpu``: each row's visible keys in cache
-  order; ``ops_torch``: a fixed grid of ``attention_chunk`` keys from position 0).
+  order; ``ops_torch``: a fixed grid of ``attention_chunk`` keys from position 0; ``ops_triton``
+  on CUDA: each row's visible keys as one list, in fixed chunks). On CUDA only the Triton
+  operations are invariant: torch's (cuBLAS, ``--ops torch``) are not.
 
 q/k/v and gate/up projections are fused into one matrix each (the module weights become
 views of the fused matrices, so no memory is duplicated). A batch of drafts runs as the
@@ -26,8 +28,9 @@ row's own keys in another order than a decode of the same token.
 
 The layer loop, the KV caches and the outputs are ``forward.Forward``'s, written once against
 the operations interface ``ops.Ops``; this module loads a model into it and picks the
-implementation: the fused CPU kernels (``ops_cpu``) where they run, else torch operations
-(``ops_torch``), or any registered in ``ops.OPS``.
+implementation: on CUDA the row-invariant Triton kernels (``ops_triton``), on CPU the fused CPU
+kernels (``ops_cpu``) where they run, else torch operations (``ops_torch``), or any registered in
+``ops.OPS``.
 
 Covers model types whose forward is the Llama one: llama, mistral (no sliding window inside
 the context), qwen2 (q/k/v biases).
@@ -35,6 +38,7 @@ the context), qwen2 (q/k/v biases).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 
 from llm_worker.model import ops_cpu, ops_torch
+from llm_worker.model import ops_triton as ops_triton  # registers "triton" (imports no triton)
 from llm_worker.model.forward import Forward, Layer, fuse, fuse_bias
 from llm_worker.model.kernels import ROLES, Kernel, Linear
 from llm_worker.model.kv_pool import GROW, KVPool
@@ -49,6 +54,8 @@ from llm_worker.model.ops import OPS, Ops, OpsContext, OpsFactory
 from llm_worker.model.target import TargetInfo
 from llm_worker.verify.tree import TreeBuffers
 from specdraft.common import Progress
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 ATTENTION_CHUNK = 256  # keys per reduction chunk of the torch attention (divides kv_pool.GROW)
@@ -76,10 +83,20 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 def _pick_ops(ops: str | OpsFactory | None, fused: bool, ctx: OpsContext) -> Ops:
-    """``ops`` by name or factory; None: the fused CPU kernels where ``fused`` and they run here,
-    else torch operations."""
+    """``ops`` by name or factory; None: on CUDA the row-invariant Triton kernels (``ops_triton``)
+    where triton is installed, on CPU the fused kernels where ``fused`` and they run here; else
+    torch operations."""
     if ops is None:
-        chosen = OPS["cpu-fused"](ctx) if fused else None
+        if ctx.device.type == "cuda":
+            chosen = OPS["triton"](ctx)
+            if chosen is None:
+                log.warning(
+                    "the Triton operations cannot run here (triton not installed, or the model's "
+                    "dtype): the CUDA forward runs torch operations (cuBLAS), which are not "
+                    "batch-invariant: speculative modes may differ from ar in a near-tie"
+                )
+        else:
+            chosen = OPS["cpu-fused"](ctx) if fused else None
         return chosen if chosen is not None else ops_torch.TorchOps(ctx)
     factory = OPS[ops] if isinstance(ops, str) else ops
     made = factory(ctx)

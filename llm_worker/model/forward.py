@@ -257,8 +257,19 @@ class Outputs:
     layers run: the artifacts each call's needs record, taken at the forward's taps
     (``llm_worker.model.artifacts``), then logits."""
 
-    def __init__(self, calls: Sequence[ForwardCall], spans: Sequence[slice], target: TargetModel) -> None:
+    def __init__(self, calls: Sequence[ForwardCall], spans: Sequence[slice], target: Forward) -> None:
         self.calls, self.spans = calls, spans
+        self.logit_rows: torch.Tensor | None = None
+        """[rows with logits] on the target's device: the rows the LM head reads in a forward over
+        several calls (each call's rows, or its last). Copied there before the layers run: on a
+        GPU a copy made after them would wait for every layer before the LM head could start."""
+        if len(calls) > 1:
+            rows = [
+                r
+                for c, s in zip(calls, spans, strict=True)
+                for r in range(s.stop - 1 if c.last_logits_only else s.start, s.stop)
+            ]
+            self.logit_rows = torch.tensor(rows, dtype=torch.long, device=target.device)
         self.outs = [ForwardOutput(logits=torch.empty(0)) for _ in calls]
         self.wanted: dict[Tap, list[tuple[Recording, slice, dict[ArtifactKey[Any], torch.Tensor]]]] = {}
         """tap -> what each call records there: how, its rows, where it goes."""
@@ -282,14 +293,10 @@ class Outputs:
         """Logits of h [rows, hidden] (final-normed) for every row of a call, or its last row only
         (a prefill chunk needs no more)."""
         calls, spans = self.calls, self.spans
-        if len(calls) == 1:
+        if self.logit_rows is None:  # one call
             chosen = h[-1:] if calls[0].last_logits_only else h
         else:
-            wanted = [
-                torch.arange(s.stop - 1 if c.last_logits_only else s.start, s.stop)
-                for c, s in zip(calls, spans, strict=True)
-            ]
-            chosen = h[torch.cat(wanted).to(h.device)]
+            chosen = h[self.logit_rows]
         logits = ops.logits(lm_head, chosen)
         row = 0
         for call, span, out in zip(calls, spans, self.outs, strict=True):

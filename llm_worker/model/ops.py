@@ -14,7 +14,8 @@ every GEMM role's weights once, at load, and runs each role on the kernel it ret
 
 Implementations: ``ops_torch.TorchOps`` (torch operations, any device: the ``--no-fused`` path)
 and ``ops_cpu.FusedCpuOps`` (the fused CPU kernels of ``native``), both choosing their kernels by
-``kernels``' measurement; a CUDA one fits the same methods, its kernel choice included. Each is
+``kernels``' measurement; ``ops_triton.TritonOps`` (row-invariant Triton kernels, the default on
+CUDA), whose GEMM is its own kernel, chosen without measuring. Each is
 made from an ``OpsContext`` by a factory named in ``OPS``. Every implementation must keep each
 row's numbers independent of the other rows of its forward (batch invariance, see ``fast_llama``).
 """
