@@ -26,7 +26,7 @@ from llm_worker.config import DEFAULT_MODE, EngineConfig, SamplingParams
 from llm_worker.costs import CurveCheck, measure_curve_and_cache
 from llm_worker.drafters import DRAFTERS, DraftContext, Drafter, DraftResources, RequestState, canonical_mode
 from llm_worker.drafters.base import storage_bytes
-from llm_worker.logits import MAX_LOGPROBS, token_logprob
+from llm_worker.logits import MAX_LOGPROBS, token_logprob, top_k_rows
 from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.penalties import Penalties
@@ -529,7 +529,7 @@ class Engine:
         """Show the drafter the target's likeliest next tokens after the root and each node of
         ``tree`` (``logits``: [1 + len(tree), vocab], the verify forward's rows)."""
         k = min(rt.drafter.candidates, logits.shape[-1])
-        top = torch.topk(logits[: 1 + len(tree)], k, dim=-1).indices.cpu().numpy()
+        top = top_k_rows(logits[: 1 + len(tree)], k)  # [1 + len(tree), k]
         inputs = np.array((root, *tree.tokens), dtype=np.int64)
         with rt.lock:
             rt.drafter.observe_candidates(state, inputs, top)

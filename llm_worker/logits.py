@@ -1,5 +1,5 @@
-"""Per-step reductions over the vocabulary: greedy argmax, the top-1 probability, and the
-log-probabilities a request asks for.
+"""Per-step reductions over the vocabulary: greedy argmax, the top-1 probability, the top k of
+each row (``recycle``'s candidates), and the log-probabilities a request asks for.
 
 On the CPU they run in numpy, on one thread. torch splits a reduction over 49 k logits between
 its OpenMP threads, whose workers then spin for a while after it; the fused kernels' own pool
@@ -41,7 +41,63 @@ def top_probability(logits: torch.Tensor) -> float:
     return float(1.0 / np.exp(shifted, out=shifted).sum(dtype=np.float64))
 
 
+TOP_K_GROUPS = 384
+"""``top_k``'s groups: index i belongs to group i mod 384 (one vectorised max over a [n, 128, 384]
+view of SmolLM2's 49 152 logits)."""
+
+
+def top_k_rows(logits: torch.Tensor, k: int) -> np.ndarray:
+    """[n, vocab] → [n, k] int64: each row's ``k`` largest entries, largest first, equal values by
+    index (``top_k``). On the CPU in numpy, on one thread, for the reason ``argmax_rows`` is:
+    ``torch.topk`` over a few rows shares them between torch's OpenMP threads, whose spinning
+    workers then slow the next forward (figures: docs/modes.md, Token Recycling)."""
+    if logits.device.type != "cpu":
+        return torch.topk(logits, k, dim=-1).indices.cpu().numpy()
+    return top_k(logits.detach().float().numpy(), k)
+
+
+def top_k(x: np.ndarray, k: int, groups: int = TOP_K_GROUPS) -> np.ndarray:
+    """[n, v] float32 → [n, k] int64, 1 ≤ k ≤ v: the first k indices of each row sorted by value,
+    descending, equal values in index order (``np.argsort(-x, kind="stable")[:, :k]``, which the
+    tests check it against). Rows with a NaN are ranked by ``torch.topk`` instead (NaN first).
+
+    Without sorting the row: the maximum of each group (index i in group i mod ``groups``) gives
+    t, the k-th largest of those maxima. The k groups with the largest maxima hold k entries ≥ t,
+    so the row's k largest are all ≥ t, and only the entries ≥ t (k and a few more) are sorted.
+    Example: x = [[1, 9, 3, 9, 5, 0]], k = 2, groups 3: group maxima [9, 9, 3] (groups {0, 3},
+    {1, 4}, {2, 5}), t = 9, entries ≥ 9 at 1 and 3 → [[1, 3]].
+    """
+    n, v = x.shape
+    if not 1 <= k <= v:
+        raise ValueError(f"k must be in 1..{v}, not {k}")
+    g = min(max(groups, k), v)
+    full = v - v % g
+    maxima = x[:, :full].reshape(n, -1, g).max(axis=1)  # [n, g]
+    if full < v:  # the tail: index full + j is in group j
+        np.maximum(maxima[:, : v - full], x[:, full:], out=maxima[:, : v - full])
+    if np.isnan(maxima).any():
+        return torch.topk(torch.from_numpy(x), k, dim=-1).indices.numpy()
+    t = np.partition(maxima, g - k, axis=1)[:, g - k : g - k + 1]  # [n, 1]
+    mask = _scratch_mask(n * v)
+    np.greater_equal(x, t, out=mask.reshape(n, v))
+    flat = np.flatnonzero(mask)  # [m] the entries ≥ t, row by row, in index order
+    rows = flat // v
+    order = np.lexsort((-x.reshape(-1)[flat], rows))  # by row, then value descending, stable
+    starts = np.searchsorted(rows[order], np.arange(n))  # [n] each row has ≥ k entries
+    chosen = flat[order[starts[:, None] + np.arange(k)]]  # [n, k]
+    return chosen - np.arange(n)[:, None] * v
+
+
 _local = threading.local()
+
+
+def _scratch_mask(size: int) -> np.ndarray:
+    """This thread's bool buffer of at least ``size``, first ``size`` entries (``_scratch``'s
+    reason: a fresh mask a step cost page faults)."""
+    buffer: np.ndarray | None = getattr(_local, "mask", None)
+    if buffer is None or buffer.shape[0] < size:
+        buffer = _local.mask = np.empty(size, dtype=bool)
+    return buffer[:size]
 
 
 def _scratch(size: int) -> np.ndarray:

@@ -91,6 +91,37 @@ def test_interleaved_growth_equals_a_rebuild(steps: list[tuple[int, list[int]]])
     assert_equals_brute_force(grown, list(texts.values()))
 
 
+def brute_match(seqs: Sequence[Sequence[int]], depth: int, context: Sequence[int], longest: int) -> int:
+    """The longest suffix of ``context`` (at most ``longest``, shorter than ``depth``) that some
+    sequence holds followed by a token, by scanning: its length (0: none)."""
+    counts = brute_counts(seqs, depth)
+    for m in range(min(longest, depth - 1, len(context)), 0, -1):
+        suffix = tuple(context[len(context) - m :])
+        if any(p[:-1] == suffix for p in counts if len(p) == m + 1):
+            return m
+    return 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seqs=sequences,
+    depth=st.integers(2, 8),
+    context=st.lists(st.integers(0, 3), max_size=12),
+    longest=st.integers(1, 10),
+)
+def test_match_equals_brute_force(
+    seqs: list[list[int]], depth: int, context: list[int], longest: int
+) -> None:
+    trie = SuffixTrie(depth)
+    for i, s in enumerate(seqs):
+        trie.append(i, s)
+    found = trie.match(context, longest)
+    m = brute_match(seqs, depth, context, longest)
+    assert (found[1] if found is not None else 0) == m
+    if found is not None:
+        assert found[0] == trie.find(context[len(context) - m :])
+
+
 def test_match_and_grow() -> None:
     trie = SuffixTrie(8)
     trie.append(0, [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7, 1, 5, 8])

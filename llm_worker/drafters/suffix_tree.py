@@ -235,15 +235,42 @@ class SuffixTrie:
             return []
         return [Continuation(text[p], 1, (node, extra + 1), p)]
 
+    def _followed(self, cursor: Cursor) -> bool:
+        """Whether the string at ``cursor`` occurs followed by some token."""
+        node, extra = cursor
+        if extra == 0 and self._first[node] != UNEXPANDED:
+            return self._first[node] >= 0
+        return self._depth[node] + extra < self.depth and self._pos[node] + extra < len(
+            self.seqs[self._seq[node]]
+        )
+
     def match(self, context: Sequence[int], longest: int) -> tuple[Cursor, int] | None:
         """The longest suffix of ``context`` (at most ``longest`` tokens) that occurs in the trie
         followed by some token: its cursor and length. Example: trie over [[5, 6, 7]], context
-        [1, 5, 6]: the suffix [5, 6] (followed by 7), length 2."""
-        for m in range(min(longest, self.depth - 1, len(context)), 0, -1):
+        [1, 5, 6]: the suffix [5, 6] (followed by 7), length 2.
+
+        A suffix that occurs followed by t has every shorter suffix occur followed by t, so the
+        lengths that match are 1 .. m* and m* is found by bisection: the longest length first
+        (a long repeat, one look-up), then about log2(``longest``) look-ups, not one per length.
+        """
+
+        def at(m: int) -> Cursor | None:
             cursor = self.find(context[len(context) - m :])
-            if cursor is not None and self.continuations(cursor):
-                return cursor, m
-        return None
+            return cursor if cursor is not None and self._followed(cursor) else None
+
+        top = min(longest, self.depth - 1, len(context))
+        found = at(top) if top > 0 else None
+        if found is not None:
+            return found, top
+        lo, hi = 0, top  # the suffix of length lo matches (0: trivially), that of length hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            cursor = at(mid)
+            if cursor is None:
+                hi = mid
+            else:
+                lo, found = mid, cursor
+        return (found, lo) if found is not None else None
 
 
 @dataclass(frozen=True)
