@@ -19,6 +19,7 @@ and Redis first — ``datastore_svc.cache``).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections import Counter
@@ -83,6 +84,18 @@ def _sparse_request(context: np.ndarray, cfg: RetrievalConfig, version: str) -> 
         max_length=cfg.max_length,
         version=version,
     )
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``address`` (HOST:PORT) names this host: ``127.0.0.1:50061``, ``localhost:1``,
+    ``[::1]:2`` → True; ``shard-0.datastore:50061`` → False."""
+    host = address.rpartition(":")[0].strip("[]") or address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class PendingSparse:
@@ -154,6 +167,8 @@ class RemoteDatastore:
         if not addresses:
             raise ValueError("no datastore shard address given")
         self.addresses = list(addresses)
+        self.on_this_host = all(_loopback(a) for a in self.addresses)
+        """Every shard listens on a loopback address: it shares this host's cores."""
         self.deadline_seconds = deadline_seconds
         security = security or ClientSecurity()
         self._channels = [security.channel(a) for a in self.addresses]

@@ -105,9 +105,9 @@ def tiny_shards(tmp_path: Path) -> Iterator[tuple[Any, Path]]:
 
 
 def test_prefetched_rest_over_real_shards_equals_ar_and_drafts(tiny_shards: tuple[Any, Path]) -> None:
-    """``rest`` and ``rest-batch`` with prefetch (the default for remote shards): the same tokens as
-    ``ar``, drafts accepted, each step's candidates from the fan-out sent during the step before
-    (the first step drafts from the context alone); ``prefetch=0`` asks when drafting."""
+    """``rest`` and ``rest-batch`` with prefetch: the same tokens as ``ar``, drafts accepted, each
+    step's candidates from the fan-out sent during the step before (the first step drafts from the
+    context alone); plain ``rest`` asks when drafting, as its shards are on this host."""
     target, path = tiny_shards
     servers = [ShardThread(ShardState.open(path, i)) for i in range(2)]
     try:
@@ -115,7 +115,7 @@ def test_prefetched_rest_over_real_shards_equals_ar_and_drafts(tiny_shards: tupl
         engine = datastore_engine(target, remote)
         ref_engine = engine_for(target, FLAT_CURVE)
         tally = DraftTally()
-        for mode in ("rest", "rest-batch", "rest:ctx=0", "rest:prefetch=0"):
+        for mode in ("rest:prefetch=1", "rest-batch:prefetch=1", "rest:ctx=0:prefetch=1", "rest"):
             for i, prompt in enumerate(prompts(VOCAB)):
                 ref = greedy_tokens(ref_engine, prompt, "ar", 40)
                 res = engine.generate(GenerationRequest(tuple(prompt), 40, mode))
@@ -124,7 +124,7 @@ def test_prefetched_rest_over_real_shards_equals_ar_and_drafts(tiny_shards: tupl
         tally.assert_every_mode_drafted_and_accepted("prefetch")
         times = remote.times.summary()
         assert times["prefetch"]["calls"] > 0
-        assert times["sparse"]["calls"] > 0  # prefetch=0
+        assert times["sparse"]["calls"] > 0  # plain rest
         assert len(remote.sent) > times["sparse"]["calls"]
         assert all(call.done() for pending in remote.sent for call in pending.calls)  # none left open
         remote.close()
@@ -147,7 +147,7 @@ def test_a_slow_shard_costs_candidates_not_time(tmp_path: Path) -> None:
         prompt = prompts(VOCAB)[0]
         ref = greedy_tokens(engine_for(target, FLAT_CURVE), prompt, "ar", 40)
         seconds = {}
-        for mode in ("rest:prefetch=0", "rest"):
+        for mode in ("rest:prefetch=0", "rest:prefetch=1"):
             began = time.perf_counter()
             res = engine.generate(GenerationRequest(tuple(prompt), 40, mode))
             seconds[mode] = time.perf_counter() - began
@@ -155,7 +155,8 @@ def test_a_slow_shard_costs_candidates_not_time(tmp_path: Path) -> None:
         steps = len(remote.sent)  # rest's drafting steps, each sending the next one's retrieval
         assert steps >= 2 and remote.late[servers[1].address] >= steps - 1
         assert seconds["rest:prefetch=0"] >= 0.5  # it waited for the slow shard
-        assert seconds["rest"] < seconds["rest:prefetch=0"] / 2, f"the slow shard was waited for: {seconds}"
+        waited = f"the slow shard was waited for: {seconds}"
+        assert seconds["rest:prefetch=1"] < seconds["rest:prefetch=0"] / 2, waited
         assert res.stats.accepted_tokens > 0  # the fast shard's candidates still drafted
         remote.close()
     finally:
@@ -173,7 +174,7 @@ def test_prefetch_is_cancelled_when_a_stream_is_abandoned(tmp_path: Path) -> Non
     try:
         remote = RecordingRemote([server.address], deadline_seconds=30.0)
         engine = datastore_engine(target, remote)
-        stream = engine.stream(GenerationRequest(tuple(prompts(VOCAB)[0]), 40, "rest"))
+        stream = engine.stream(GenerationRequest(tuple(prompts(VOCAB)[0]), 40, "rest:prefetch=1"))
         for _ in range(3):
             next(stream)
         assert remote.sent
@@ -183,3 +184,20 @@ def test_prefetch_is_cancelled_when_a_stream_is_abandoned(tmp_path: Path) -> Non
         remote.close()
     finally:
         server.stop()
+
+
+def test_prefetch_by_default_only_from_shards_on_other_hosts() -> None:
+    """Shards on loopback search on the cores the forward runs on: by default they are asked when
+    drafting; shards elsewhere are asked ahead. ``prefetch=`` overrides either way."""
+    from llm_worker.drafters.rest import RestDrafter
+
+    cfg = RetrievalConfig()
+    here = RemoteDatastore(["127.0.0.1:1", "localhost:2"])
+    there = RemoteDatastore(["127.0.0.1:1", "shard-1.datastore:50061"])
+    assert here.on_this_host and not there.on_this_host
+    assert RestDrafter(here, cfg).prefetcher is None
+    assert RestDrafter(here, cfg, prefetch=True).prefetcher is here
+    assert RestDrafter(there, cfg).prefetcher is there
+    assert RestDrafter(there, cfg, prefetch=False).prefetcher is None
+    here.close()
+    there.close()
