@@ -241,6 +241,8 @@ class CurveCheck:
         self._seen = 0
         self._needed = window
         self._measuring = False
+        self._due_ratio = float("nan")
+        """The median ratio that made a deferred measurement due."""
         self._lock = threading.Lock()
 
     @property
@@ -269,6 +271,7 @@ class CurveCheck:
                 return False
             if self.deferred:
                 self.due = True
+                self._due_ratio = ratio  # what the log reports: later forwards may agree again
                 return False
             self._measuring = True
         return self._measure(ratio)
@@ -280,7 +283,7 @@ class CurveCheck:
                 return False
             self.due = False
             self._measuring = True
-            ratio = statistics.median(self._ratios) if self._ratios else float("nan")
+            ratio = self._due_ratio
         return self._measure(ratio)
 
     def _measure(self, ratio: float) -> bool:

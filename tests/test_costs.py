@@ -180,6 +180,24 @@ def test_a_disagreement_the_curve_cannot_fix_backs_off() -> None:
     assert measure.calls == len(replaced)
 
 
+def test_a_deferred_measurement_reports_the_disagreement_that_made_it_due(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A deferred check logs the last disagreement it saw before the measurement ran, not the
+    median of the forwards that came after it (those may agree again by the time it runs)."""
+    busy, quiet = CostCurve.linear(0.105, 0.010), CostCurve.linear(0.0105, 0.001)
+    check = CurveCheck(quiet, _Measure(quiet), window=4, deferred=True)
+    for _ in range(4):
+        check.observe(1, 10, busy.t(1, 10))  # 10× the price: due
+    assert check.due
+    for _ in range(4):
+        check.observe(1, 10, quiet.t(1, 10))  # agreeing again before it runs
+    with caplog.at_level(logging.WARNING, logger="llm_worker.costs"):
+        assert check.measure_if_due()
+    logged = float(caplog.text.split("took ")[1].split("×")[0])
+    assert logged > check.band[1], caplog.text  # before the fix: 1.00×, within the band
+
+
 def test_a_measurement_that_fails_keeps_the_curve(caplog: pytest.LogCaptureFixture) -> None:
     curve = CostCurve.linear(0.1, 0.0)
 

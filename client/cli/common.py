@@ -109,8 +109,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kernel",
         default="auto",
-        help="fast backend GEMM kernel, LIBRARY:MIN_ROWS (aten or onednn); auto: the fastest of those "
-        "checked batch-invariant on this machine",
+        help="fast backend GEMM kernel, LIBRARY:MIN_ROWS (aten, onednn, quant or bf16 on CPU; triton "
+        "with --ops triton); auto: the fastest of those checked batch-invariant on this machine",
     )
     g.add_argument(
         "--no-fused",
