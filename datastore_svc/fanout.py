@@ -19,7 +19,6 @@ and Redis first — ``datastore_svc.cache``).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections import Counter
@@ -41,7 +40,7 @@ from datastore_svc.dense import (
 )
 from datastore_svc.protocols import DenseAnswer, DenseDescription, RetrievalTimes, SparseAnswer
 from datastore_svc.retrieval import Candidate, Retrieval, RetrievalConfig, Source, merge, well_formed
-from specdraft.security import ClientSecurity
+from specdraft.security import ClientSecurity, is_loopback, target_hosts
 from specdraft.stubs import datastore_pb2, datastore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -84,18 +83,6 @@ def _sparse_request(context: np.ndarray, cfg: RetrievalConfig, version: str) -> 
         max_length=cfg.max_length,
         version=version,
     )
-
-
-def _loopback(address: str) -> bool:
-    """Whether ``address`` (HOST:PORT) names this host: ``127.0.0.1:50061``, ``localhost:1``,
-    ``[::1]:2`` → True; ``shard-0.datastore:50061`` → False."""
-    host = address.rpartition(":")[0].strip("[]") or address
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class PendingSparse:
@@ -167,7 +154,7 @@ class RemoteDatastore:
         if not addresses:
             raise ValueError("no datastore shard address given")
         self.addresses = list(addresses)
-        self.on_this_host = all(_loopback(a) for a in self.addresses)
+        self.on_this_host = all(is_loopback(h) for a in self.addresses for h in target_hosts(a))
         """Every shard listens on a loopback address: it shares this host's cores."""
         self.deadline_seconds = deadline_seconds
         security = security or ClientSecurity()

@@ -68,6 +68,10 @@ class PendingAnswer(Protocol):
 class PrefetchingRetriever(SparseRetriever, Protocol):
     """A retriever worth asking ahead: its answers take a round trip (remote shards)."""
 
+    on_this_host: bool
+    """It answers from this host's cores (every shard on loopback): asking ahead then competes
+    with the forward it means to overlap."""
+
     def prefetch(self, context: np.ndarray, cfg: RetrievalConfig, version: str = "") -> PendingAnswer:
         """``retrieve``'s question, sent now, answered by ``PendingAnswer.take`` later."""
         ...

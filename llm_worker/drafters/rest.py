@@ -98,9 +98,10 @@ class RestDrafter(Drafter):
         with this separator (any id above the vocabulary); None = the datastore alone (REST)."""
         self.retriever = retriever
         self.cfg = cfg
-        if prefetch is None:  # shards on this host compute beside the forward, on its cores
-            prefetch = not getattr(retriever, "on_this_host", True)
-        self.prefetcher = retriever if prefetch and isinstance(retriever, PrefetchingRetriever) else None
+        remote = retriever if isinstance(retriever, PrefetchingRetriever) else None
+        if prefetch is None:  # not from shards on this host: they compute beside the forward
+            prefetch = remote is not None and not remote.on_this_host
+        self.prefetcher = remote if prefetch else None
         """Where retrieval is asked one step ahead (``_prefetched``): remote shards (by default
         those on other hosts: ``_prefetch``); an in-process store answers at once."""
         self._ahead = replace(
