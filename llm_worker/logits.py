@@ -78,7 +78,7 @@ def top_k(x: np.ndarray, k: int, groups: int = TOP_K_GROUPS) -> np.ndarray:
     if np.isnan(maxima).any():
         return torch.topk(torch.from_numpy(x), k, dim=-1).indices.numpy()
     t = np.partition(maxima, g - k, axis=1)[:, g - k : g - k + 1]  # [n, 1]
-    mask = _scratch_mask(n * v)
+    mask = _scratch(n * v, np.bool_)
     np.greater_equal(x, t, out=mask.reshape(n, v))
     flat = np.flatnonzero(mask)  # [m] the entries ≥ t, row by row, in index order
     rows = flat // v
@@ -91,22 +91,16 @@ def top_k(x: np.ndarray, k: int, groups: int = TOP_K_GROUPS) -> np.ndarray:
 _local = threading.local()
 
 
-def _scratch_mask(size: int) -> np.ndarray:
-    """This thread's bool buffer of at least ``size``, first ``size`` entries (``_scratch``'s
-    reason: a fresh mask a step cost page faults)."""
-    buffer: np.ndarray | None = getattr(_local, "mask", None)
+def _scratch(size: int, dtype: type = np.float32) -> np.ndarray:
+    """This thread's buffer of ``dtype``, its first ``size`` entries: a fresh one each step was
+    as many page faults as the pass itself (its 200 kB came from mmap each time)."""
+    buffers: dict[type, np.ndarray] | None = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buffer = buffers.get(dtype)
     if buffer is None or buffer.shape[0] < size:
-        buffer = _local.mask = np.empty(size, dtype=bool)
+        buffer = buffers[dtype] = np.empty(size, dtype=dtype)
     return buffer[:size]
-
-
-def _scratch(size: int) -> np.ndarray:
-    """This thread's float32 buffer of ``size``: a fresh one each step was as many page faults
-    as the pass itself (its 200 kB came from mmap each time)."""
-    buffer: np.ndarray | None = getattr(_local, "buffer", None)
-    if buffer is None or buffer.shape[0] != size:
-        buffer = _local.buffer = np.empty(size, dtype=np.float32)
-    return buffer
 
 
 MAX_LOGPROBS = 20
