@@ -62,6 +62,17 @@ class CallRows:
         return slice(self.row, self.row + self.n)
 
 
+def by_buffer(calls: Sequence[CallRows]) -> list[list[CallRows]]:
+    """``calls`` grouped by the buffer their caches live in, in order of first appearance: the
+    pool's (every pooled call, by slot) or a request's own (one call each). A backend whose kernels
+    index one buffer per launch lays out a group at a time."""
+    groups: dict[int, list[CallRows]] = {}  # buffer -> calls
+    for call in calls:
+        key = -1 if call.state.pool is not None else id(call.state)
+        groups.setdefault(key, []).append(call)
+    return list(groups.values())
+
+
 class Ops(Protocol):
     """The operations of the forward (see the module docstring)."""
 

@@ -26,7 +26,7 @@ import torch
 from llm_worker.model import native, quant
 from llm_worker.model.kernels import Kernel, KernelChoice, Linear, Weights, requested_kernels
 from llm_worker.model.kv_pool import KVState
-from llm_worker.model.ops import CallRows, OpsContext, register
+from llm_worker.model.ops import CallRows, OpsContext, by_buffer, register
 from llm_worker.types import causal_mask
 
 
@@ -138,12 +138,8 @@ class FusedCpuOps:
     def layout(self, calls: Sequence[CallRows], total: int, pad: int) -> _Layout:
         """Lay the rows out by the buffer their cache lives in: the pool's slots (one group) or a
         request's own buffers (a group each)."""
-        members: dict[int, list[CallRows]] = {}  # buffer -> calls
-        for call in calls:
-            key = -1 if call.state.pool is not None else id(call.state)
-            members.setdefault(key, []).append(call)
         groups = []
-        for parts in members.values():
+        for parts in by_buffer(calls):
             width = max(c.n for c in parts)
             count = sum(c.n for c in parts)
             visible = torch.zeros(count, width, dtype=torch.bool)

@@ -32,7 +32,7 @@ import torch
 from llm_worker.model import triton_kernels
 from llm_worker.model.kernels import ROLES, Kernel, KernelChoice, Linear, Weights
 from llm_worker.model.kv_pool import KVState
-from llm_worker.model.ops import CallRows, OpsContext, register
+from llm_worker.model.ops import CallRows, OpsContext, by_buffer, register
 from llm_worker.types import causal_mask
 
 KERNEL = Kernel("triton", 1)
@@ -140,12 +140,8 @@ class TritonOps:
     def layout(self, calls: Sequence[CallRows], total: int, pad: int) -> _Layout:
         """The rows by the buffer their cache lives in (the pool's slots, or a request's own),
         each with what it sees; moved to the device in one copy per group."""
-        members: dict[int, list[CallRows]] = {}  # buffer -> calls
-        for call in calls:
-            key = -1 if call.state.pool is not None else id(call.state)
-            members.setdefault(key, []).append(call)
         groups = []
-        for parts in members.values():
+        for parts in by_buffer(calls):
             width = max(c.n for c in parts)
             count = sum(c.n for c in parts)
             meta = torch.empty(5, count, dtype=torch.int32)  # rows, slots, cache, starts, lengths
