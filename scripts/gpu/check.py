@@ -274,9 +274,12 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out: Path) -> None:
+    """Both reports, each replaced whole (a run cut short leaves the last complete ones)."""
+    from specdraft.common import atomic_write_text
+
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "report.md").write_text(markdown(report))
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1) + "\n")
+    atomic_write_text(out / "report.md", markdown(report))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
