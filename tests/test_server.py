@@ -592,6 +592,14 @@ def test_metrics_aligned_with_vllm_move_with_requests_and_have_no_created_twins(
             lambda: value("specdraft_request_success_total", mode="pld", finished_reason="length") == 1,
             what="the request is counted",
         )
+        # The latency histogram is observed when the RPC handler exits, which may come after the
+        # client has read the final message.
+        wait_until(
+            lambda: (
+                value("specdraft_e2e_request_latency_seconds_count", mode="pld", method="GenerateStream") == 1
+            ),
+            what="the request's latency is observed",
+        )
         assert value("specdraft_prompt_tokens_total", mode="pld") == final.prompt_tokens > 0
         assert value("specdraft_generation_tokens_total", mode="pld") == 40
         assert value("specdraft_request_queue_time_seconds_count", mode="pld") == 1
