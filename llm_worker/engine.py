@@ -31,7 +31,7 @@ from llm_worker.model.artifacts import ARTIFACTS
 from llm_worker.model.target import ForwardOutput, SequenceState, TargetModel
 from llm_worker.penalties import Penalties
 from llm_worker.planner import ALONE, BatchLoad, CostCurve, DraftBudget, DraftPlanner, load_or_measure_curve
-from llm_worker.prefix_cache import PrefixCache
+from llm_worker.prefix_cache import PrefixCache, block_names
 from llm_worker.results import GenerationResult, Provenance, TokenLogprob
 from llm_worker.sampling import SamplingNoise
 from llm_worker.speculation import Pricer, SpeculationPolicy
@@ -567,6 +567,11 @@ class Engine:
         artifacts = _Artifacts(target, state, needs)
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=artifacts.device)
         cache = self.prefix_cache if target.prefix_reuse else None
+        if target.prefix_reuse:  # a batched forward reads a prefix shared with another request once
+            block = cache.block_tokens if cache is not None else self.config.prefix_block_tokens
+            state.prefix_block = block
+            names = block_names(req.tenant, req.prompt_ids, block, len(req.prompt_ids) // block)
+            state.prefix_names = tuple(names)
         cached = self._reuse_prefix(cache, target, state, artifacts, req)
         logits = self._prefill(target, state, artifacts, prompt[cached:], needs, req.cancel)
         if cache is not None:

@@ -45,6 +45,20 @@ BlockExport = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, Recorded]]
 artifacts of those positions: copies, owned by the cache from then on."""
 
 
+def block_names(namespace: str, tokens: Sequence[int], block_tokens: int, blocks: int) -> list[bytes]:
+    """The names of the first ``blocks`` whole blocks of ``tokens``: name i is a digest chained
+    over the namespace and tokens[: (i + 1) * block_tokens]."""
+    ids = np.asarray(tokens[: blocks * block_tokens], dtype=np.int64)
+    out: list[bytes] = []
+    previous = hashlib.blake2b(namespace.encode(), digest_size=32).digest()
+    for i in range(blocks):
+        h = hashlib.blake2b(previous, digest_size=32)
+        h.update(ids[i * block_tokens : (i + 1) * block_tokens].tobytes())
+        previous = h.digest()
+        out.append(previous)
+    return out
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """The cached prefix of a prompt: ``tokens`` positions of KV and recorded artifacts."""
@@ -98,17 +112,8 @@ class PrefixCache:
         return len(self._blocks)
 
     def digests(self, namespace: str, tokens: Sequence[int], blocks: int) -> list[bytes]:
-        """The names of the first ``blocks`` whole blocks of ``tokens``: digest i covers the
-        namespace and tokens[: (i + 1) * block_tokens]."""
-        ids = np.asarray(tokens[: blocks * self.block_tokens], dtype=np.int64)
-        out: list[bytes] = []
-        previous = hashlib.blake2b(namespace.encode(), digest_size=32).digest()
-        for i in range(blocks):
-            h = hashlib.blake2b(previous, digest_size=32)
-            h.update(ids[i * self.block_tokens : (i + 1) * self.block_tokens].tobytes())
-            previous = h.digest()
-            out.append(previous)
-        return out
+        """The names of the first ``blocks`` whole blocks of ``tokens`` (``block_names``)."""
+        return block_names(namespace, tokens, self.block_tokens, blocks)
 
     def reusable_blocks(self, prompt_tokens: int) -> int:
         """Whole blocks that may be reused from a prompt of ``prompt_tokens`` tokens: its last

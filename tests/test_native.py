@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -208,6 +209,77 @@ def test_attention_over_a_bfloat16_cache_is_attention_over_its_float32_copy(
         assert torch.equal(outs[0], outs[1]), name
     with pytest.raises(RuntimeError, match="one dtype"):
         fused.attention(q, keys, values.float(), long([0]), long([0]), long([3]), chain(1), 0.125, out[:1])
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the grouped value sums
+@pytest.mark.parametrize("dtype", DTYPES)  # the cache's
+def test_attention_reads_a_shared_prefix_from_another_slot_with_the_same_bits(
+    fused: ModuleType, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Rows that read cache positions [0, shared) from another slot holding the same bytes get the
+    bits their own copy gives: decode rows of several slots, a tree, a prefill chunk, prefixes that
+    end on and off the kernel's blocks of 8 and 64 keys. And they do read there: a changed copy
+    changes the result."""
+    heads, kv, capacity = 9, 3, 320
+    gen = torch.Generator().manual_seed(13)
+    keys = torch.randn(4, kv, capacity, head_dim, generator=gen).to(dtype)
+    values = torch.randn(4, kv, capacity, head_dim + 1, generator=gen).to(dtype)
+    keys[1:, :, :200], values[1:, :, :200] = keys[0, :, :200], values[0, :, :200]  # one prompt's 200 tokens
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    cases = {  # name: (slot, committed length, shared length of each row, visible new rows)
+        "decode rows of three slots": (
+            [1, 2, 3],
+            [230, 250, 300],
+            [200, 200, 64],
+            torch.ones(3, 1, dtype=torch.bool),
+        ),
+        "a tree": ([2] * 4, [210] * 4, [37] * 4, tree),
+        "a prefill chunk": ([3] * 40, [200] * 40, [200] * 40, chain(40)),
+        "mixed": (
+            [1, 2, 2, 2, 2, 3],
+            [201, 130, 130, 130, 130, 199],
+            [129, 65, 65, 65, 65, 8],
+            torch.cat((torch.ones(1, 4, dtype=torch.bool), tree, torch.ones(1, 4, dtype=torch.bool))),
+        ),
+    }
+    for name, (slots, starts, shared, visible) in cases.items():
+        m = len(slots)
+        q = torch.randn(m, heads, head_dim, generator=gen)
+        call = (q, keys, values, long(list(range(m))), long(slots), long(starts), visible, 0.125)
+
+        def run(call: tuple[Any, ...], source: list[int] | None, length: list[int] | None) -> torch.Tensor:
+            out = torch.empty(call[0].shape[0], heads * head_dim)
+            fused.attention(
+                *call, out, None if source is None else long(source), None if length is None else long(length)
+            )
+            return out
+
+        own = run(call, None, None)
+        assert torch.equal(run(call, [0] * m, shared), own), name
+        assert torch.equal(run(call, slots, [0] * m), own), name  # nothing shared: the same call
+        keys[0, :, 5] += 1.0  # slot 0's copy changed: rows that read it see the change
+        changed = run(call, [0] * m, shared)
+        assert not torch.equal(changed, own), name
+        keys[0, :, 5], values[0, :, 5] = keys[1, :, 5], values[1, :, 5]  # exactly as before
+    q = torch.randn(2, heads, head_dim)
+    out = torch.empty(2, heads * head_dim)
+    args = (
+        q,
+        keys,
+        values,
+        long([0, 1]),
+        long([1, 2]),
+        long([50, 50]),
+        torch.ones(2, 1, dtype=torch.bool),
+        0.1,
+        out,
+    )
+    with pytest.raises(RuntimeError, match="out of range"):  # a shared prefix past the committed length
+        fused.attention(*args, long([0, 0]), long([51, 10]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.attention(*args, long([0, 4]), long([10, 10]))
+    with pytest.raises(RuntimeError, match="both or neither"):
+        fused.attention(*args, long([0, 0]), None)
 
 
 def attention_reference(

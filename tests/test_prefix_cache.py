@@ -17,8 +17,10 @@ from llm_worker.batching import BatchingConfig
 from llm_worker.config import EngineConfig, ModelConfig, PlannerConfig, SamplingParams
 from llm_worker.drafters import DraftResources
 from llm_worker.engine import Engine, GenerationRequest
-from llm_worker.model import wrap_model
+from llm_worker.model import ops_cpu, wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
+from llm_worker.model.kv_pool import KVState
+from llm_worker.model.ops import CallRows, shared_prefixes
 from llm_worker.prefix_cache import PrefixCache
 from llm_worker.types import ArtifactKey, ArtifactNeeds
 
@@ -272,3 +274,63 @@ def test_shared_prefix_suite_shares_its_system_prompt() -> None:
     assert parse_question({"turns": ["hi"], "system": "be brief"}, "x:1", 1).system == "be brief"
     with pytest.raises(ValueError, match="'system' must be a string"):
         parse_question({"turns": ["hi"], "system": 3}, "x:1", 1)
+
+
+def calls_of(*specs: tuple[int, int, tuple[bytes, ...]]) -> list[CallRows]:
+    """(slot, committed length, names) → pooled calls of one row each, names in blocks of 4."""
+    calls = []
+    for row, (slot, start, names) in enumerate(specs):
+        state = KVState(None, slot)
+        state.prefix_names, state.prefix_block = names, 4
+        calls.append(CallRows(state, row, 1, start, None, torch.tensor([start])))
+    return calls
+
+
+def test_shared_prefixes_read_the_longest_committed_common_prefix_from_the_lowest_slot() -> None:
+    a, b, c, d = (bytes([i]) for i in range(4))
+    x, y = b"x", b"y"
+    plan = shared_prefixes(
+        calls_of(
+            (5, 20, (a, b, c)),  # the system prompt a b c
+            (3, 14, (a, b, c, x)),  # 3 blocks of 4 committed (a b c): reads its own
+            (6, 30, (a, b, c, x, y)),  # x y its own: slot 3 has not committed x
+            (7, 9, (a, b, d)),  # 2 blocks committed: a b
+            (2, 40, (d,)),  # nothing in common
+            (1, 3, (a,)),  # its first block not committed yet
+        )
+    )
+    assert plan == [(3, 12), (3, 0), (3, 12), (3, 8), (2, 0), (1, 0)]
+
+
+def test_shared_prefixes_of_calls_without_names_share_nothing() -> None:
+    assert shared_prefixes(calls_of((0, 10, ()), (1, 10, ()))) == [(0, 0), (1, 0)]
+
+
+def test_batched_requests_read_their_shared_system_prompt_once_and_equal_ar(
+    target: FastLlamaTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With or without the prefix cache, concurrent requests under one system prompt read it from
+    one slot, and every output is still ``ar``'s alone."""
+    plans: list[list[tuple[int, int]]] = []
+
+    def spy(calls: Any) -> list[tuple[int, int]]:
+        plan = shared_prefixes(calls)
+        plans.append(plan)
+        return plan
+
+    monkeypatch.setattr(ops_cpu, "shared_prefixes", spy)
+    prompts = shared_prompts(6, seed=21)
+    plain = engine(target, 0)
+    refs = [plain.generate(GenerationRequest(p, 20, "ar")).token_ids for p in prompts]
+    modes = ["ar", "pld", "suffix"] * 2
+    for cache_bytes in (0, 1 << 24):
+        plans.clear()
+        batched = engine(target, cache_bytes, BatchingConfig(max_wait_seconds=0.05))
+        try:
+            with ThreadPoolExecutor(6) as pool:
+                requests = [GenerationRequest(p, 20, m) for p, m in zip(prompts, modes, strict=True)]
+                results = list(pool.map(batched.generate, requests))
+        finally:
+            batched.close()
+        assert [r.token_ids for r in results] == refs
+        assert any(length >= 24 for plan in plans for _, length in plan), cache_bytes

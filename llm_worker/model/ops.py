@@ -62,6 +62,36 @@ class CallRows:
         return slice(self.row, self.row + self.n)
 
 
+def shared_prefixes(calls: Sequence[CallRows]) -> list[tuple[int, int]]:
+    """Per call of one pooled buffer: (the slot to read its shared prefix from, that prefix's
+    length; ``(slot, 0)``: none). A call shares the longest prefix it has committed under the same
+    name (``SequenceState.prefix_names``) as another call of the forward that has committed it
+    too, and reads it from the lowest slot that holds it, so every call with that prefix reads one
+    copy. Example: calls in slots 3, 5 and 6 whose prompts start with the same 512-token system
+    prompt (16 blocks of 32) and differ after it, all past it → [(3, 0), (3, 512), (3, 512)]."""
+    owners: dict[tuple[int, bytes], int] = {}  # (block, name) -> the lowest slot that has committed it
+    usable: list[int] = []
+    for call in calls:
+        state = call.state
+        block = state.prefix_block
+        usable.append(min(len(state.prefix_names), call.start // block) if block else 0)
+    for i in sorted(range(len(calls)), key=lambda i: calls[i].state.slot):
+        state = calls[i].state
+        for name in state.prefix_names[: usable[i]]:
+            owners.setdefault((state.prefix_block, name), state.slot)
+    out: list[tuple[int, int]] = []
+    for i, call in enumerate(calls):
+        state = call.state
+        found = (state.slot, 0)
+        for b in range(usable[i] - 1, -1, -1):
+            owner = owners[(state.prefix_block, state.prefix_names[b])]
+            if owner != state.slot:
+                found = (owner, (b + 1) * state.prefix_block)
+                break
+        out.append(found)
+    return out
+
+
 def by_buffer(calls: Sequence[CallRows]) -> list[list[CallRows]]:
     """``calls`` grouped by the buffer their caches live in, in order of first appearance: the
     pool's (every pooled call, by slot) or a request's own (one call each). A backend whose kernels

@@ -26,7 +26,7 @@ import torch
 from llm_worker.model import native, quant
 from llm_worker.model.kernels import Kernel, KernelChoice, Linear, Weights, requested_kernels
 from llm_worker.model.kv_pool import KVState
-from llm_worker.model.ops import CallRows, OpsContext, by_buffer, register
+from llm_worker.model.ops import CallRows, OpsContext, by_buffer, register, shared_prefixes
 from llm_worker.types import causal_mask
 
 
@@ -41,6 +41,8 @@ class _FusedGroup:
     starts: torch.Tensor  # [m] its call's committed length: it sees cache positions [0, start)
     cache: torch.Tensor  # [m] its own cache position: start + its row within its call
     visible: torch.Tensor  # [m, w] bool: it sees its call's new row i (cache position start + i)
+    source: torch.Tensor | None = None  # [m] the slot it reads its shared prefix from (None: nothing shared)
+    shared: torch.Tensor | None = None  # [m] that prefix's length (``ops.shared_prefixes``)
 
 
 @dataclass
@@ -137,7 +139,8 @@ class FusedCpuOps:
 
     def layout(self, calls: Sequence[CallRows], total: int, pad: int) -> _Layout:
         """Lay the rows out by the buffer their cache lives in: the pool's slots (one group) or a
-        request's own buffers (a group each)."""
+        request's own buffers (a group each). Pooled calls that share a committed prefix read it
+        from one slot (``ops.shared_prefixes``): the same bytes, one copy in the caches."""
         groups = []
         for parts in by_buffer(calls):
             width = max(c.n for c in parts)
@@ -147,21 +150,29 @@ class FusedCpuOps:
             slots: list[int] = []
             starts: list[int] = []
             cache: list[int] = []
+            sources: list[int] = []
+            shared: list[int] = []
+            pooled = parts[0].state.pool is not None and len(parts) > 1
+            prefixes = shared_prefixes(parts) if pooled else [(0, 0)] * len(parts)
             at = 0
-            for c in parts:
+            for c, (source, length) in zip(parts, prefixes, strict=True):
                 visible[at : at + c.n, : c.n] = c.tree.mask if c.tree is not None else causal_mask(c.n)
                 rows.extend(range(c.row, c.row + c.n))
                 slots.extend([max(c.state.slot, 0)] * c.n)
                 starts.extend([c.start] * c.n)
                 cache.extend(range(c.start, c.start + c.n))
+                sources.extend([max(source, 0)] * c.n)
+                shared.extend([length] * c.n)
                 at += c.n
 
             def index(values: list[int]) -> torch.Tensor:
                 return torch.tensor(values, dtype=torch.long)
 
-            groups.append(
-                _FusedGroup(parts[0].state, index(rows), index(slots), index(starts), index(cache), visible)
-            )
+            state = parts[0].state
+            group = _FusedGroup(state, index(rows), index(slots), index(starts), index(cache), visible)
+            if any(shared):
+                group.source, group.shared = index(sources), index(shared)
+            groups.append(group)
         return _Layout(groups, total, pad)
 
     def rope_store(
@@ -182,7 +193,9 @@ class FusedCpuOps:
         )
         for g in layout.groups:
             keys, values = g.state.layer_buffers(layer)
-            self.kernels.attention(q, keys, values, g.rows, g.slots, g.starts, g.visible, self.scale, attn)
+            self.kernels.attention(
+                q, keys, values, g.rows, g.slots, g.starts, g.visible, self.scale, attn, g.source, g.shared
+            )
         return attn
 
     # -- for drafters' own networks: the kernels over caller-laid-out rows -----------------------

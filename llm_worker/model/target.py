@@ -112,6 +112,13 @@ class SequenceState:
     length: int = 0
     batch_rows: list[list[int]] | None = None
     """After the default ``forward_batch``: the tree-forward rows of each batch row's positions."""
+    prefix_names: tuple[bytes, ...] = ()
+    """Names of the request's first tokens, ``prefix_block`` at a time: name i stands for its
+    namespace and its first (i + 1) * prefix_block tokens (``prefix_cache.block_names``). On a
+    batch-invariant forward two caches that carry name i hold the same bytes at positions
+    [0, (i + 1) * prefix_block) once both have committed them, so a forward may read one copy for
+    both (``ops.shared_prefixes``)."""
+    prefix_block: int = 0
 
 
 class TargetModel(ABC):

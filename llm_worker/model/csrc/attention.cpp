@@ -39,6 +39,11 @@ struct Job {
   const K* values;  // [capacity, dv]
   int64_t d, dv;
   float scale;
+  const K* shared_keys;  // positions [0, shared) read here instead (the same bytes in another slot)
+  const K* shared_values;
+  int64_t shared;
+  const K* key(int64_t p) const { return (p < shared ? shared_keys : keys) + p * d; }
+  const K* value(int64_t p) const { return (p < shared ? shared_values : values) + p * dv; }
 };
 
 // out = softmax(q . k * scale) · v over the keys at ``pos`` (in that order), 8 lanes at a time.
@@ -54,7 +59,7 @@ void attend8(const Job<K>& job, const std::vector<int64_t>& pos, T* o) {
   const __m256 vscale = _mm256_set1_ps(job.scale);
   for (int64_t b = 0; b < count; b += 8) {
     const K* kptr[8];
-    for (int t = 0; t < 8; ++t) kptr[t] = job.keys + pos[std::min(b + t, count - 1)] * d;
+    for (int t = 0; t < 8; ++t) kptr[t] = job.key(pos[std::min(b + t, count - 1)]);
     _mm256_storeu_ps(w.data() + b, _mm256_mul_ps(dot8(job.q, kptr, d), vscale));
   }
   const float top = max_of(w.data(), count);
@@ -69,7 +74,7 @@ void attend8(const Job<K>& job, const std::vector<int64_t>& pos, T* o) {
     const float wp = w[p];
     denom += wp;
     const __m256 vw = _mm256_set1_ps(wp);
-    const K* v = job.values + pos[p] * job.dv;
+    const K* v = job.value(pos[p]);
     for (int64_t i = 0; i < blocks; ++i) acc[i] = _mm256_fmadd_ps(vw, load8(v + 8 * i), acc[i]);
   }
   const __m256 vden = _mm256_set1_ps(denom);
@@ -111,6 +116,11 @@ struct GroupJob {
   const bool* visible;  // [rows, width] each row's visible new keys
   int64_t rows, heads, head0, group, start, width, d, dv;
   float scale;
+  const K* shared_keys;  // the prefix [0, shared) is read here instead: the same bytes in another
+  const K* shared_values;  // slot, whose copy other rows of the forward read too (cache-hot)
+  int64_t shared;
+  const K* keys_at(int64_t p) const { return p < shared ? shared_keys : keys; }  // + p * d
+  const K* values_at(int64_t p) const { return p < shared ? shared_values : values; }  // + p * dv
 };
 
 // One pair's running sums over keys [lo, hi): positions pos[0 ..] (nullptr: the keys themselves).
@@ -125,7 +135,8 @@ SPECDRAFT_AVX512 inline void sum_values(
     const float wv = w[p];
     den += wv;
     const __m512 vw = _mm512_set1_ps(wv);
-    const K* v = g.values + (pos != nullptr ? pos[p - lo] : p) * g.dv;
+    const int64_t at = pos != nullptr ? pos[p - lo] : p;
+    const K* v = g.values_at(at) + at * g.dv;
     for (int64_t i = 0; i < blocks; ++i) a[i] = _mm512_fmadd_ps(vw, load16(v + 16 * i), a[i]);
   }
   denom = den;
@@ -146,7 +157,7 @@ SPECDRAFT_AVX512 inline void sum_values_pairs(
     for (int i = 0; i < 4; ++i) a[q][i] = _mm512_loadu_ps(acc + q * 64 + 16 * i);
   }
   for (int64_t p = lo; p < hi; ++p) {
-    const K* v = g.values + p * g.dv;
+    const K* v = g.values_at(p) + p * g.dv;
     const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int q = 0; q < P; ++q) {
       const float wv = w[q * stride + p];
@@ -219,28 +230,31 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob<K>& g, T* dst) {
   if (!causal) end = start;
   auto reach = [&](int64_t r) { return causal ? start + tails[r] : start; };  // row r's blocked keys end
   const __m256 vscale = _mm256_set1_ps(g.scale);
+  // A block's keys all come from one buffer: blocks end at the shared prefix's end.
+  auto block_end = [&](int64_t k0) { return std::min(std::min(end, k0 + kBlock), k0 < g.shared ? g.shared : end); };
   // scores: the prefix (and causal rows' new keys) a block at a time for every pair, then each
-  // other row's own new keys
-  for (int64_t k0 = 0; k0 < end; k0 += kBlock) {
-    const int64_t k1 = std::min(end, k0 + kBlock);
-    prefetch_rows(g.keys, k1, std::min(end, k1 + kBlock), d);
+  // other row's own new keys. Lanes past a block's (or a row's) last key repeat that key; their
+  // scores land where the next block writes over them, or past the row's keys (never read).
+  for (int64_t k0 = 0, k1 = 0; k0 < end; k0 = k1) {
+    k1 = block_end(k0);
+    if (k1 < end) prefetch_rows(g.keys_at(k1), k1, block_end(k1), d);
     auto score = [&](const auto* keys, int64_t first) SPECDRAFT_AVX512 {  // key p at keys + (p - first) * d
       using KB = std::remove_const_t<std::remove_pointer_t<decltype(keys)>>;
       for (int64_t pr = 0; pr < pairs; ++pr) {
-        const int64_t last = reach(pr / g.group), hi = std::min(k1, last);
+        const int64_t hi = std::min(k1, reach(pr / g.group));
         const float* q = query(pr);
         float* wp = w.data() + pr * stride;
-        for (int64_t b = k0; b < hi; b += 8) {  // b + 7 < k1 or last <= k1: within the block
+        for (int64_t b = k0; b < hi; b += 8) {
           const KB* kptr[8];
-          for (int t = 0; t < 8; ++t) kptr[t] = keys + (std::min(b + t, last - 1) - first) * d;
+          for (int t = 0; t < 8; ++t) kptr[t] = keys + (std::min(b + t, hi - 1) - first) * d;
           _mm256_storeu_ps(wp + b, _mm256_mul_ps(dot8_wide(q, kptr, d), vscale));
         }
       }
     };
     if (g.rows > 1) {  // the block in float32 once for every row's heads (a bfloat16 cache widened)
-      score(widened(g.keys, k0, k1, d, key_block), k0);
+      score(widened(g.keys_at(k0), k0, k1, d, key_block), k0);
     } else {  // one row's heads: a bfloat16 cache widened as it is loaded
-      score(g.keys, 0);
+      score(g.keys_at(k0), 0);
     }
   }
   for (int64_t pr = 0; pr < pairs && !causal; ++pr) {
@@ -264,9 +278,9 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob<K>& g, T* dst) {
   // the weighted value sums, key by key in cache order: the prefix (and causal rows' new keys) a
   // block at a time, then each other row's own new keys
   std::fill(acc.begin(), acc.end(), 0.0f);
-  for (int64_t k0 = 0; k0 < end; k0 += kBlock) {
-    prefetch_rows(g.values, k0 + kBlock, std::min(end, k0 + 2 * kBlock), g.dv);
-    const int64_t k1 = std::min(end, k0 + kBlock);
+  for (int64_t k0 = 0, k1 = 0; k0 < end; k0 = k1) {
+    k1 = block_end(k0);
+    if (k1 < end) prefetch_rows(g.values_at(k1), k1, block_end(k1), g.dv);
     for (int64_t r = 0; r < g.rows; ++r) {  // a row's heads together: they share its last key
       const int64_t hi = std::min(k1, reach(r)), first = r * g.group, stop = first + g.group;
       if (hi <= k0) continue;
@@ -315,10 +329,18 @@ SPECDRAFT_AVX512 void attend16_group(const GroupJob<K>& g, T* dst) {
 // h / (H / K). q in float32; the cache's keys and values both float32 or both bfloat16 (widened
 // exactly: the same arithmetic as on their float32 copies). Output: out [N, H * d] (float32 or
 // bfloat16) at row rows[j].
+//
+// Shared prefixes (``source``, ``shared``: both or neither, [m] each): row j reads cache positions
+// [0, shared[j]) from slot source[j] instead of its own. The caller promises that slot holds the
+// same bytes there (the same tokens' K/V on a batch-invariant forward): the result is the same,
+// bit for bit, and the rows of a forward that share one system prompt read one copy of it, which
+// stays in the processor's caches, instead of one copy each from memory.
 void attention(
     torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor rows, torch::Tensor slot,
-    torch::Tensor start, torch::Tensor visible, double scale, torch::Tensor out) {
+    torch::Tensor start, torch::Tensor visible, double scale, torch::Tensor out,
+    c10::optional<torch::Tensor> source, c10::optional<torch::Tensor> shared) {
   for (auto* t : {&q, &keys, &values, &rows, &slot, &start, &visible, &out}) check_cpu(*t, "attention argument");
+  TORCH_CHECK(source.has_value() == shared.has_value(), "source and shared: both or neither");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && visible.dim() == 2, "shapes");
   TORCH_CHECK(visible.scalar_type() == at::kBool, "visible must be bool");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
@@ -327,12 +349,24 @@ void attention(
   TORCH_CHECK(out.dim() == 2 && out.size(1) == heads * d, "out [N, H * d]");
   const int64_t m = rows.size(0), width = visible.size(1), group = heads / kv, slots = keys.size(0);
   const int64_t *row = rows.data_ptr<int64_t>(), *sl = slot.data_ptr<int64_t>(), *st = start.data_ptr<int64_t>();
+  const int64_t *src = sl, *sh = nullptr;  // sh == nullptr: nothing shared
+  if (source.has_value()) {
+    for (auto* t : {&*source, &*shared}) {
+      check_cpu(*t, "attention argument");
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == rows.numel(), "source and shared: [m] int64");
+    }
+    src = source->data_ptr<int64_t>();
+    sh = shared->data_ptr<int64_t>();
+  }
   int64_t longest = 0;
   for (int64_t j = 0; j < m; ++j) {
     TORCH_CHECK(row[j] >= 0 && row[j] < q.size(0) && row[j] < out.size(0) && sl[j] >= 0 && sl[j] < slots
         && st[j] >= 0 && st[j] + width <= capacity, "row, slot or start out of range");
+    TORCH_CHECK(sh == nullptr || (src[j] >= 0 && src[j] < slots && sh[j] >= 0 && sh[j] <= st[j]),
+        "source slot or shared prefix out of range");
     longest = std::max(longest, st[j] + width);
   }
+  auto shared_of = [&](int64_t j) { return sh != nullptr ? sh[j] : int64_t{0}; };
   const float* qp = q.data_ptr<float>();
   const bool* vis = visible.data_ptr<bool>();
   const float fscale = static_cast<float>(scale);
@@ -344,7 +378,9 @@ void attention(
     std::vector<std::pair<int64_t, int64_t>> chunks;  // [j0, j1)
     for (int64_t j = 0; j < m;) {
       int64_t e = j + 1;
-      while (e < m && e - j < kChunk && sl[e] == sl[j] && st[e] == st[j]) ++e;
+      while (e < m && e - j < kChunk && sl[e] == sl[j] && st[e] == st[j] && src[e] == src[j]
+          && shared_of(e) == shared_of(j))
+        ++e;
       chunks.emplace_back(j, e);
       j = e;
     }
@@ -354,9 +390,9 @@ void attention(
       for_rows(n, 4 * longest * d * group * kChunk, [&](int64_t job) {
         const auto [j0, j1] = chunks[job / kv];
         const int64_t h = job % kv;
-        const int64_t base = (sl[j0] * kv + h) * capacity;
+        const int64_t base = (sl[j0] * kv + h) * capacity, from = (src[j0] * kv + h) * capacity;
         const GroupJob<K> g{qp, kp + base * d, vp + base * dv, row + j0, vis + j0 * width, j1 - j0, heads, h * group,
-            group, st[j0], width, d, dv, fscale};
+            group, st[j0], width, d, dv, fscale, kp + from * d, vp + from * dv, shared_of(j0)};
         attend16_group(g, dst);
       });
     };
@@ -370,12 +406,15 @@ void attention(
     for_rows(m * heads, 4 * longest * d, [&](int64_t job) {
       const int64_t j = job / heads, h = job % heads;
       const int64_t base = (sl[j] * kv + h / group) * capacity;  // the KV head's first position
+      const int64_t from = (src[j] * kv + h / group) * capacity;
       thread_local std::vector<int64_t> pos;  // the visible positions in cache order
       pos.clear();
       for (int64_t p = 0; p < st[j]; ++p) pos.push_back(p);
       for (int64_t i = 0; i < width; ++i)
         if (vis[j * width + i]) pos.push_back(st[j] + i);
-      const Job<K> job_of_row{qp + (row[j] * heads + h) * d, kp + base * d, vp + base * dv, d, dv, fscale};
+      const Job<K> job_of_row{
+          qp + (row[j] * heads + h) * d, kp + base * d, vp + base * dv, d, dv, fscale, kp + from * d, vp + from * dv,
+          shared_of(j)};
       attend8(job_of_row, pos, dst + row[j] * heads * d + h * d);
     });
   };

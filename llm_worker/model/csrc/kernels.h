@@ -39,10 +39,12 @@ void rope_store(
     torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor q, torch::Tensor keys,
     torch::Tensor values, torch::Tensor rows, torch::Tensor slot, torch::Tensor cache_pos);
 
-// attention.cpp: softmax attention of query rows over their visible cached keys.
+// attention.cpp: softmax attention of query rows over their visible cached keys (a shared prefix
+// read from another slot that holds the same bytes: ``source``, ``shared``).
 void attention(
     torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor rows, torch::Tensor slot,
-    torch::Tensor start, torch::Tensor visible, double scale, torch::Tensor out);
+    torch::Tensor start, torch::Tensor visible, double scale, torch::Tensor out,
+    c10::optional<torch::Tensor> source, c10::optional<torch::Tensor> shared);
 
 // quant_gemm.cpp: x [M, K] float32 @ the packed weight^T (+ bias) -> [M, N] float32.
 torch::Tensor quant_linear(
