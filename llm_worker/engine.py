@@ -567,8 +567,8 @@ class Engine:
         artifacts = _Artifacts(target, state, needs)
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=artifacts.device)
         cache = self.prefix_cache if target.prefix_reuse else None
-        if target.prefix_reuse:  # a batched forward reads a prefix shared with another request once
-            block = cache.block_tokens if cache is not None else self.config.prefix_block_tokens
+        block = cache.block_tokens if cache is not None else self.config.prefix_block_tokens
+        if target.prefix_reuse and block > 0:  # a batched forward reads a shared prefix once
             state.prefix_block = block
             names = block_names(req.tenant, req.prompt_ids, block, len(req.prompt_ids) // block)
             state.prefix_names = tuple(names)

@@ -211,15 +211,15 @@ def test_attention_over_a_bfloat16_cache_is_attention_over_its_float32_copy(
         fused.attention(q, keys, values.float(), long([0]), long([0]), long([3]), chain(1), 0.125, out[:1])
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the grouped value sums
+@pytest.mark.parametrize("head_dim", [16, 24, 64])  # 64: the grouped value sums; 24: the 8-lane path
 @pytest.mark.parametrize("dtype", DTYPES)  # the cache's
 def test_attention_reads_a_shared_prefix_from_another_slot_with_the_same_bits(
     fused: ModuleType, head_dim: int, dtype: torch.dtype
 ) -> None:
     """Rows that read cache positions [0, shared) from another slot holding the same bytes get the
     bits their own copy gives: decode rows of several slots, a tree, a prefill chunk, prefixes that
-    end on and off the kernel's blocks of 8 and 64 keys. And they do read there: a changed copy
-    changes the result."""
+    end on and off the kernel's blocks of 8 and 64 keys. And they read exactly there: a change to the
+    copy's last shared key or value changes every row, one just past it none."""
     heads, kv, capacity = 9, 3, 320
     gen = torch.Generator().manual_seed(13)
     keys = torch.randn(4, kv, capacity, head_dim, generator=gen).to(dtype)
@@ -235,6 +235,7 @@ def test_attention_reads_a_shared_prefix_from_another_slot_with_the_same_bits(
         ),
         "a tree": ([2] * 4, [210] * 4, [37] * 4, tree),
         "a prefill chunk": ([3] * 40, [200] * 40, [200] * 40, chain(40)),
+        "a prefill chunk sharing a prefix off the blocks": ([1] * 40, [200] * 40, [37] * 40, chain(40)),
         "mixed": (
             [1, 2, 2, 2, 2, 3],
             [201, 130, 130, 130, 130, 199],
@@ -257,10 +258,16 @@ def test_attention_reads_a_shared_prefix_from_another_slot_with_the_same_bits(
         own = run(call, None, None)
         assert torch.equal(run(call, [0] * m, shared), own), name
         assert torch.equal(run(call, slots, [0] * m), own), name  # nothing shared: the same call
-        keys[0, :, 5] += 1.0  # slot 0's copy changed: rows that read it see the change
-        changed = run(call, [0] * m, shared)
-        assert not torch.equal(changed, own), name
-        keys[0, :, 5], values[0, :, 5] = keys[1, :, 5], values[1, :, 5]  # exactly as before
+        # slot 0's copy changed at a row's last shared position, or just past it: exactly the rows
+        # whose shared prefix covers that position see it, through the keys and through the values
+        for cache in (keys, values):
+            for p in sorted({length + offset for length in shared for offset in (-1, 0)}):
+                saved = cache[0, :, p].clone()
+                cache[0, :, p] += 1.0
+                changed = run(call, [0] * m, shared)
+                cache[0, :, p] = saved
+                rows_changed = [not torch.equal(changed[j], own[j]) for j in range(m)]
+                assert rows_changed == [p < length for length in shared], (name, p)
     q = torch.randn(2, heads, head_dim)
     out = torch.empty(2, heads * head_dim)
     args = (

@@ -21,8 +21,10 @@ from llm_worker.model import ops_cpu, wrap_model
 from llm_worker.model.fast_llama import FastLlamaTarget
 from llm_worker.model.kv_pool import KVState
 from llm_worker.model.ops import CallRows, shared_prefixes
-from llm_worker.prefix_cache import PrefixCache
+from llm_worker.model.target import ForwardCall
+from llm_worker.prefix_cache import PrefixCache, block_names
 from llm_worker.types import ArtifactKey, ArtifactNeeds
+from llm_worker.verify.tree import tree_buffers
 
 VOCAB = 96
 BLOCK = 8
@@ -333,4 +335,40 @@ def test_batched_requests_read_their_shared_system_prompt_once_and_equal_ar(
         finally:
             batched.close()
         assert [r.token_ids for r in results] == refs
-        assert any(length >= 24 for plan in plans for _, length in plan), cache_bytes
+
+
+def test_one_forward_over_requests_under_one_prompt_reads_it_once_with_the_same_logits(
+    target: FastLlamaTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three pooled requests whose prompts share 24 tokens (3 blocks): in one forward the last two
+    read those positions from the first one's slot, and every row's logits are bitwise those of
+    its request's forward alone (a decode row, a chain of three, a tree)."""
+    plans: list[list[tuple[int, int]]] = []
+
+    def spy(calls: Any) -> list[tuple[int, int]]:
+        plan = shared_prefixes(calls)
+        plans.append(plan)
+        return plan
+
+    monkeypatch.setattr(ops_cpu, "shared_prefixes", spy)
+    states = []
+    for prompt in shared_prompts(3, seed=4):
+        state = target.start()
+        state.prefix_block = BLOCK
+        state.prefix_names = tuple(block_names("", prompt, BLOCK, len(prompt) // BLOCK))
+        target.forward(state, torch.tensor(prompt), None, ArtifactNeeds())
+        target.commit(state, range(len(prompt)))
+        states.append(state)
+    tree = tree_buffers((-1, -1, 1))  # root, two children, a grandchild under the second
+    calls = [
+        ForwardCall(states[0], torch.tensor([5]), None, ArtifactNeeds()),
+        ForwardCall(states[1], torch.tensor([7, 8, 9]), None, ArtifactNeeds()),
+        ForwardCall(states[2], torch.tensor([3, 4, 6, 2]), tree, ArtifactNeeds()),
+    ]
+    alone = [target.forward(c.state, c.tokens, c.tree, c.needs).logits.clone() for c in calls]
+    plans.clear()
+    together = target.forward_many(calls)
+    slots = [s.slot for s in states]  # type: ignore[attr-defined]
+    assert plans == [[(min(slots), 24 if s != min(slots) else 0) for s in slots]]
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a, b.logits)
