@@ -21,7 +21,8 @@ LEGEND = (
     "τ: tokens per target forward, the bonus token included (ar: 1.00); accept: accepted ÷ drafted "
     "draft tokens",
     "draft c: what one draft token costs, in target forwards (drafting seconds per draft token ÷ "
-    "ar's seconds per token)",
+    "ar's seconds per token); c/step: what drafting adds to a step, in target forwards (drafting "
+    "seconds per target forward ÷ ar's seconds per token)",
     "= ar: outputs token-identical to ar's (MODE@DTYPE: to ar@DTYPE's) of all outputs, NO when one "
     "differs; every mode must have all under greedy decoding; hf-pld may differ in a near-tie",
 )
@@ -197,7 +198,7 @@ def render_table(report: dict[str, Any], console: Console) -> None:
     modes = report["modes"]
     table = _table(
         "specdraft bench — all modes in one process, interleaved",
-        ["mode", "tok/s", "× ar", "× hf-ar", "× hf-pld", "τ", "accept", "draft c", "= ar"],
+        ["mode", "tok/s", "× ar", "× hf-ar", "× hf-pld", "τ", "accept", "draft c", "c/step", "= ar"],
     )
     for mode, m in modes.items():
         table.add_row(
@@ -209,6 +210,7 @@ def render_table(report: dict[str, Any], console: Console) -> None:
             _fmt(m["tau"], 2),
             _fmt(m["acceptance_rate"], 2),
             _fmt(m.get("draft_cost"), 3),
+            _fmt(m.get("draft_cost_per_step"), 3),
             ("" if m["identical_to_ar"] else "NO ") + f"{m['outputs_identical_to_ar']}/{m['outputs']}",
         )
     console.print(table)

@@ -92,6 +92,16 @@ class Tally:
             return None
         return round(self.draft_seconds / self.drafted * per_ar_token, 4)
 
+    def step_draft_cost(self, ar: Tally | None) -> float | None:
+        """Drafting seconds per target forward ÷ ``ar``'s seconds per decoded token: what drafting
+        adds to a step, in target steps (c times the draft tokens a step)."""
+        if not self.drafted or not self.forwards or ar is None:
+            return None
+        per_ar_token = ar.decode_tokens_per_second or ar.tokens_per_second
+        if not per_ar_token:
+            return None
+        return round(self.draft_seconds / self.forwards * per_ar_token, 4)
+
     def summary(self, ar: Tally | None) -> dict[str, Any]:
         tps = self.tokens_per_second
         return {
@@ -103,6 +113,7 @@ class Tally:
                 round(a / r, 3) for a, r in zip(self.depth_accepted[:8], self.depth_reached[:8], strict=True)
             ],
             "draft_cost": self.draft_cost(ar),
+            "draft_cost_per_step": self.step_draft_cost(ar),
             "identical_to_ar": self.identical == self.outputs,
             "outputs": self.outputs,
             "outputs_identical_to_ar": self.identical,
