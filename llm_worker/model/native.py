@@ -50,6 +50,7 @@ kernels can share rows on torch's OpenMP threads (``use_pool``), the process's o
 runtime, the one torch loaded."""
 
 _loaded: dict[str, ModuleType | None] = {}
+_active: ModuleType | None = None  # the kernels ``load`` loaded last (``loaded``)
 
 
 def native_dir() -> Path:
@@ -119,8 +120,16 @@ def load() -> ModuleType | None:
     else:
         assert module is not None
         module.configure(torch.get_num_threads())  # torch's intra-op threads, as set at load
+        global _active
+        _active = module
     _loaded[name] = module
     return module
+
+
+def loaded() -> ModuleType | None:
+    """The kernels if this process has loaded them (``load``), else None: never builds, so a
+    per-step caller (``llm_worker.logits``) costs nothing where they are not in use."""
+    return _active
 
 
 def describe() -> str:

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("rows"), py::arg("slot"), py::arg("start"),
       py::arg("visible"), py::arg("scale"), py::arg("out"), py::arg("source") = py::none(),
       py::arg("shared") = py::none());
+  m.def("top_k_rows", &top_k_rows, "each row's k largest entries, largest first, ties by index");
+  m.def("top_probability", &top_probability, "a logits row's softmax's largest probability");
   m.def("quant_linear", &quant_linear, "x @ W^T (+ bias) with W packed as exact 4- or 8-bit blocks");
   m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias), bfloat16, W packed [P, K / 2, 16, 2] (AVX512-BF16)");
   m.def("wide", &has_avx512, "whether the AVX-512 variants run here");

@@ -46,6 +46,11 @@ void attention(
     torch::Tensor start, torch::Tensor visible, double scale, torch::Tensor out,
     c10::optional<torch::Tensor> source, c10::optional<torch::Tensor> shared);
 
+// logits.cpp: each row's k largest entries (largest first, ties by index; a row with a NaN all
+// -1), and a row's softmax's largest probability (NaN for a NaN or no finite entry).
+torch::Tensor top_k_rows(torch::Tensor x, int64_t k);
+double top_probability(torch::Tensor row);
+
 // quant_gemm.cpp: x [M, K] float32 @ the packed weight^T (+ bias) -> [M, N] float32.
 torch::Tensor quant_linear(
     torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
