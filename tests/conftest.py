@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from helpers.models import EXCUSED_DIVERGENCES, engine_for, tiny_model
 from llm_worker.config import ModelConfig
 from llm_worker.engine import Engine
-from llm_worker.model import load_target
+from llm_worker.model import load_target, native
 from llm_worker.model.target import TargetModel
 
 if TYPE_CHECKING:  # imported where used: a bare GPU machine runs `pytest -m cuda` without redis-py
@@ -81,6 +82,16 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_sep("-", f"near-tie greedy divergences excused: {len(excused)}")
     for line in excused:
         terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def fused() -> ModuleType:
+    """The fused CPU kernels (``llm_worker.model.native``), which must build on the test machines."""
+    module = native.load()
+    assert module is not None, (
+        f"the fused kernels must build on the test machines: {native.unavailable_reason()}"
+    )
+    return module
 
 
 @pytest.fixture(scope="session")

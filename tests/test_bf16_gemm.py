@@ -9,16 +9,16 @@ from types import ModuleType
 import pytest
 import torch
 
-from llm_worker.model import kernels, native
+from llm_worker.model import kernels
 from llm_worker.model.kernels import Kernel, Linear, pack_bf16
 
 SIZES = (1, 2, 3, 5, 6, 7, 9, 13, 17, 33, 65)
 
 
 @pytest.fixture(scope="module")
-def fused() -> ModuleType:
-    module = native.load()
-    assert module is not None, native.unavailable_reason()
+def fused(fused: ModuleType) -> ModuleType:
+    """conftest's kernels, where they have the bfloat16 GEMM."""
+    module = fused
     if not module.bf16_dot():
         pytest.skip("no AVX512-BF16 here: the bfloat16 GEMM is not a candidate")
     return module

@@ -18,15 +18,6 @@ SIZES = (2, 4, 9, 17, 33, 65)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def fused() -> ModuleType:
-    module = native.load()
-    assert module is not None, (
-        f"the fused kernels must build on the test machines: {native.unavailable_reason()}"
-    )
-    return module
-
-
 def places(n: int) -> list[int]:
     return sorted({0, n // 2, n - 1})
 

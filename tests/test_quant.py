@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers.models import exact_blocks
-from llm_worker.model import native, quant
+from llm_worker.model import quant
 from llm_worker.model.kernels import Kernel, Linear
 
 SIZES = (2, 4, 9, 17, 33, 65)
@@ -44,13 +44,6 @@ def test_weights_that_are_not_blocks_do_not_pack() -> None:
     w = exact_blocks(torch.randn(16, 64, generator=gen), 4)
     w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(9.0))  # one weight off by an ulp
     assert quant.pack_exact(w) is None or quant.pack_exact(w).bits == 8  # type: ignore[union-attr]
-
-
-@pytest.fixture(scope="module")
-def fused():
-    module = native.load()
-    assert module is not None, native.unavailable_reason()
-    return module
 
 
 @pytest.mark.parametrize("bits", [4, 8])

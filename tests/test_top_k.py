@@ -18,7 +18,6 @@ from helpers.models import FLAT_CURVE, engine_for, tiny_target
 from llm_worker import engine as engine_module
 from llm_worker.engine import GenerationRequest
 from llm_worker.logits import top_k, top_k_rows, top_probability
-from llm_worker.model import native
 
 
 def brute_top_k(x: np.ndarray, k: int) -> np.ndarray:
@@ -99,15 +98,6 @@ def test_recycle_candidates_never_call_torch_topk_on_the_cpu(monkeypatch: pytest
     assert any(len(logits) > 1 for logits, _ in seen)  # rows of drafted nodes too
     for logits, top in seen:
         np.testing.assert_array_equal(top, brute_top_k(logits, 8))
-
-
-@pytest.fixture(scope="module")
-def fused() -> ModuleType:
-    module = native.load()
-    assert module is not None, (
-        f"the fused kernels must build on the test machines: {native.unavailable_reason()}"
-    )
-    return module
 
 
 @settings(max_examples=300, deadline=None)
