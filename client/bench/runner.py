@@ -85,22 +85,22 @@ class Tally:
     def draft_cost(self, ar: Tally | None) -> float | None:
         """c: drafting seconds per drafted token ÷ ``ar``'s seconds per decoded token (what one
         draft token costs in target forwards; planning and a drafter's catch-up included)."""
-        if not self.drafted or ar is None:
-            return None
-        per_ar_token = ar.decode_tokens_per_second or ar.tokens_per_second
-        if not per_ar_token:
-            return None
-        return round(self.draft_seconds / self.drafted * per_ar_token, 4)
+        return self._drafting_per(self.drafted, ar)
 
     def step_draft_cost(self, ar: Tally | None) -> float | None:
         """Drafting seconds per target forward ÷ ``ar``'s seconds per decoded token: what drafting
         adds to a step, in target steps (c times the draft tokens a step)."""
-        if not self.drafted or not self.forwards or ar is None:
+        return self._drafting_per(self.forwards, ar)
+
+    def _drafting_per(self, count: int, ar: Tally | None) -> float | None:
+        """Drafting seconds per one of ``count`` in ``ar``'s decode steps (None: nothing drafted,
+        nothing counted or no ``ar`` speed)."""
+        if not self.drafted or not count or ar is None:
             return None
         per_ar_token = ar.decode_tokens_per_second or ar.tokens_per_second
         if not per_ar_token:
             return None
-        return round(self.draft_seconds / self.forwards * per_ar_token, 4)
+        return round(self.draft_seconds / count * per_ar_token, 4)
 
     def summary(self, ar: Tally | None) -> dict[str, Any]:
         tps = self.tokens_per_second
