@@ -37,7 +37,15 @@ from llm_worker.sampling import SamplingNoise
 from llm_worker.speculation import Pricer, SpeculationPolicy
 from llm_worker.stats import GenerationStats
 from llm_worker.stopping import StopStrings
-from llm_worker.types import NO_SOURCE, ArtifactKey, ArtifactNeeds, Draft, DraftTree
+from llm_worker.types import (
+    CANDIDATE_HISTORY,
+    NO_SOURCE,
+    ArtifactKey,
+    ArtifactNeeds,
+    Draft,
+    DraftTree,
+    ForwardCandidates,
+)
 from llm_worker.verify.steps import decider, verification_for
 
 NO_BUDGET = DraftBudget(0, 0)
@@ -524,15 +532,21 @@ class Engine:
 
     @staticmethod
     def _observe_candidates(
-        rt: _ModeRuntime, state: RequestState, root: int, tree: DraftTree, logits: torch.Tensor
+        rt: _ModeRuntime,
+        state: RequestState,
+        history: np.ndarray,
+        root: int,
+        tree: DraftTree,
+        logits: torch.Tensor,
     ) -> None:
         """Show the drafter the target's likeliest next tokens after the root and each node of
-        ``tree`` (``logits``: [1 + len(tree), vocab], the verify forward's rows)."""
+        ``tree`` (``logits``: [1 + len(tree), vocab], the verify forward's rows; ``history``: the
+        committed tokens before the root)."""
         k = min(rt.drafter.candidates, logits.shape[-1])
         top = top_k_rows(logits[: 1 + len(tree)], k)  # [1 + len(tree), k]
-        inputs = np.array((root, *tree.tokens), dtype=np.int64)
+        rows = ForwardCandidates.of_tree(history, root, tree, top)
         with rt.lock:
-            rt.drafter.observe_candidates(state, inputs, top)
+            rt.drafter.observe_candidates(state, rows)
 
     def _decode(
         self, req: GenerationRequest, rt: _ModeRuntime, session: BatchSession | None = None
@@ -614,7 +628,7 @@ class Engine:
             self._check_curve(draft, out.length, t2 - t1)
 
             # observe
-            root = out.root
+            root, before = out.root, out.length - 1  # the root's position (emit appends after it)
             emitted = out.emit(step.tokens, step.sources, drafter.name)
             if penalties is not None:
                 penalties.commit(emitted)
@@ -625,7 +639,8 @@ class Engine:
             if session is not None:
                 session.observe(len(step.tokens))
             if drafter.candidates and isinstance(step.decided, DraftTree):
-                self._observe_candidates(rt, request_state, root, step.decided, step.forward.logits)
+                history = out.tokens[max(0, before - CANDIDATE_HISTORY) : before]  # emit wrote after these
+                self._observe_candidates(rt, request_state, history, root, step.decided, step.forward.logits)
             t3 = time.perf_counter()  # the candidates' cost counts as drafting
             accepted = step.result.num_accepted
             stats.observe_step(len(draft), accepted, len(emitted), t1 - t0 + t3 - t2, t2 - t1)

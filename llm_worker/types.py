@@ -20,6 +20,7 @@ from enum import IntEnum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -277,6 +278,63 @@ class VerifyResult:
     @property
     def num_accepted(self) -> int:
         return len(self.accepted)
+
+
+CANDIDATE_HISTORY = 4
+"""How many committed tokens before the root ``ForwardCandidates.history`` carries."""
+
+
+@dataclass(frozen=True)
+class ForwardCandidates:
+    """What one verify forward said at each of its rows (``Drafter.observe_candidates``).
+
+    Row 0 is the root, row i > 0 the tree's node i - 1. ``parents[i]``: row i's parent row (-1:
+    the root); ``history``: the last ``CANDIDATE_HISTORY`` (or fewer) committed tokens before the
+    root, so that every row's preceding tokens are known; ``candidates[i]``: the target's k
+    likeliest next tokens after row i, likeliest first, accepted or not.
+
+    Example: context [.., 3, 4], root 4, tree tokens (5, 6) parents (-1, -1) → inputs [4, 5, 6],
+    parents [-1, 0, 0], history [.., 3]; row 2 follows [.., 3, 4, 6].
+    """
+
+    inputs: np.ndarray  # [rows] int64
+    parents: np.ndarray  # [rows] int64
+    history: np.ndarray  # [<= CANDIDATE_HISTORY] int64
+    candidates: np.ndarray  # [rows, k] int
+
+    @staticmethod
+    def of_tree(history: np.ndarray, root: int, tree: DraftTree, candidates: np.ndarray) -> ForwardCandidates:
+        parents = np.array((-1, *(p + 1 for p in tree.parents)), dtype=np.int64)
+        inputs = np.array((root, *tree.tokens), dtype=np.int64)
+        return ForwardCandidates(inputs, parents, np.asarray(history, dtype=np.int64), candidates)
+
+    def narrowed(self, k: int) -> ForwardCandidates:
+        """The same rows with each row's first ``k`` candidates only."""
+        return ForwardCandidates(self.inputs, self.parents, self.history, self.candidates[:, :k])
+
+    def contexts(self, width: int) -> np.ndarray:
+        """[rows, width]: the ``width`` tokens ending with each row's input along its path
+        (history, root, ancestors), -1 where the known text is shorter.
+
+        Example (the class's): width 3 → [[.., 3, 4], [3, 4, 5], [3, 4, 6]].
+        """
+        return path_contexts(self.history, self.inputs, self.parents, width)
+
+
+def path_contexts(history: np.ndarray, inputs: np.ndarray, parents: np.ndarray, width: int) -> np.ndarray:
+    """[rows, width]: the ``width`` tokens ending with ``inputs[i]`` along ``parents`` (row 0 the
+    root, whose predecessors are ``history``), -1 before the known start (``ForwardCandidates``)."""
+    history = history[len(history) - min(len(history), width - 1) :]
+    h = len(history)
+    text = np.concatenate([history.astype(np.int64), inputs.astype(np.int64)])
+    above = np.concatenate([np.arange(-1, h - 1), [h - 1], h + parents[1:]]).astype(np.int64)
+    keys = np.full((len(inputs), width), -1, dtype=np.int64)
+    at = np.arange(h, h + len(inputs))
+    for j in range(width - 1, -1, -1):
+        known = at >= 0
+        keys[known, j] = text[at[known]]
+        at = np.where(known, above[np.maximum(at, 0)], -1)
+    return keys
 
 
 T = TypeVar("T")

@@ -34,7 +34,7 @@ from llm_worker.drafters.fuse import FuseDrafter, FuseState, fuse_trees, verdict
 from llm_worker.engine import GenerationRequest
 from llm_worker.model import wrap_model
 from llm_worker.planner import CostCurve, DraftPlanner
-from llm_worker.types import NO_SOURCE, ArtifactNeeds, DraftTree, Outcome, VerifyResult
+from llm_worker.types import NO_SOURCE, ArtifactNeeds, DraftTree, ForwardCandidates, Outcome, VerifyResult
 from llm_worker.verify.verifier import verify_tokens
 
 # -- the merge ----------------------------------------------------------------------------------
@@ -172,8 +172,8 @@ class Fixed(Drafter):
     def observe(self, tree: DraftTree, result: VerifyResult, state: RequestState) -> None:
         self.heard.append((tree, result, state))
 
-    def observe_candidates(self, state: RequestState, inputs: np.ndarray, candidates: np.ndarray) -> None:
-        self.seen_candidates.append(candidates)
+    def observe_candidates(self, state: RequestState, rows: ForwardCandidates) -> None:
+        self.seen_candidates.append(rows.candidates)
 
     def finish(self, state: RequestState, tokens: np.ndarray, prompt_length: int) -> None:
         self.finished.append(state)
@@ -225,7 +225,8 @@ def test_agreement_gets_its_own_key_and_hooks_reach_every_source() -> None:
     assert a.heard[0][1].accepted == (0,) and a.heard[0][1].bonus == 3
     assert b.heard[0][1].accepted == (0, 1) and not c.heard  # c proposed nothing
     assert dict(fuse.accepted) == {"a": 1, "b": 2}
-    fuse.observe_candidates(state, np.array([0, 1]), np.arange(8).reshape(2, 4))
+    rows = ForwardCandidates(np.array([0, 1]), np.array([-1, 0]), np.array([5]), np.arange(8).reshape(2, 4))
+    fuse.observe_candidates(state, rows)
     assert not a.seen_candidates and b.seen_candidates[0].shape == (2, 4)
     assert c.seen_candidates[0].tolist() == [[0, 1], [4, 5]]  # each its own k
     fuse.finish(state, np.array([0, 1, 3]), 1)

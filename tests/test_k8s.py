@@ -444,9 +444,9 @@ def test_worker_args_parse_with_the_cli(
 
 
 # What one unit of each online store's bound holds, for SmolLM2-135M (docs/serving.md): a suffix
-# token kept about 0.5 KB, a Token Recycling matrix 1.97 MB.
+# token kept about 0.5 KB, a tenant's Token Recycling rows 5.1 MB (one-token and context rows).
 SUFFIX_BYTES_PER_TOKEN = 512
-RECYCLE_BYTES_PER_TENANT = 2_000_000
+RECYCLE_BYTES_PER_TENANT = 5_120_000
 
 
 def test_worker_online_stores_are_bounded_explicitly_within_its_memory(

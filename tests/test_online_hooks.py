@@ -22,7 +22,7 @@ from llm_worker.drafters.base import RequestState
 from llm_worker.drafters.pld import PromptLookupDrafter
 from llm_worker.engine import GenerationRequest
 from llm_worker.server import ServerConfig
-from llm_worker.types import ArtifactNeeds, DraftTree
+from llm_worker.types import CANDIDATE_HISTORY, ArtifactNeeds, DraftTree, ForwardCandidates
 from specdraft.security import ClientSecurity, ServerSecurity, tenant_namespace
 
 TOKEN = "t" * 32
@@ -35,7 +35,7 @@ class Recorder(PromptLookupDrafter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: list[tuple[np.ndarray, np.ndarray]] = []
+        self.seen: list[ForwardCandidates] = []
         self.finished: list[tuple[str, np.ndarray, int]] = []
         self.proposed: list[int] = []
 
@@ -43,8 +43,9 @@ class Recorder(PromptLookupDrafter):
         self.proposed.append(len(ctx.tokens))
         return super().propose(ctx)
 
-    def observe_candidates(self, state: RequestState, inputs: np.ndarray, candidates: np.ndarray) -> None:
-        self.seen.append((inputs.copy(), candidates.copy()))
+    def observe_candidates(self, state: RequestState, rows: ForwardCandidates) -> None:
+        copied = (rows.inputs, rows.parents, rows.history, rows.candidates)
+        self.seen.append(ForwardCandidates(*(a.copy() for a in copied)))
 
     def finish(self, state: RequestState, tokens: np.ndarray, prompt_length: int) -> None:
         self.finished.append((state.tenant, tokens.copy(), prompt_length))
@@ -69,8 +70,11 @@ def test_a_drafter_sees_each_forwards_candidates_and_each_finished_request(recor
     # one observation a decode step; the root row's likeliest token is what greedy emitted next
     assert len(recorder.seen) == result.stats.target_forwards - 1  # the prefill yields the first
     position = len(prompt)
-    for inputs, candidates in recorder.seen:
+    for rows in recorder.seen:
+        inputs, candidates = rows.inputs, rows.candidates
         assert inputs[0] == committed[position] and candidates.shape == (len(inputs), 3)
+        assert rows.history.tolist() == committed[max(0, position - CANDIDATE_HISTORY) : position]
+        assert rows.parents.tolist() == list(range(-1, len(inputs) - 1))  # pld: a chain
         assert all(len(set(row.tolist())) == 3 for row in candidates)
         emitted = committed[position + 1 :]
         accepted = 0
@@ -88,7 +92,7 @@ def test_candidates_are_the_targets_top_k(recorder: Recorder) -> None:
     engine = engine_for(target)
     prompt = (3, 9, 4, 3, 9)
     engine.generate(GenerationRequest(prompt, 1 + 1, "test-online", SamplingParams()))
-    inputs, candidates = recorder.seen[0]
+    inputs, candidates = recorder.seen[0].inputs, recorder.seen[0].candidates
     state = target.start()
     logits = target.forward(state, torch.tensor([*prompt, int(inputs[0])]), None, ArtifactNeeds()).logits[-1]
     assert candidates[0].tolist() == torch.topk(logits, 3).indices.tolist()

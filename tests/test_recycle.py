@@ -20,9 +20,17 @@ from llm_worker.config import SamplingParams
 from llm_worker.drafters import DRAFTERS, DraftContext, DraftResources
 from llm_worker.drafters.base import RequestState
 from llm_worker.drafters.recycle import RecycleDrafter, TreeTemplate, best_paths, expand
-from llm_worker.drafters.recycle_store import EMPTY, RecycleStore, TenantMatrix, update_matrix
+from llm_worker.drafters.recycle_store import (
+    CONTEXT_ORDERS,
+    EMPTY,
+    RecycleStore,
+    TenantMatrix,
+    packed_keys,
+    slot_of,
+    update_matrix,
+)
 from llm_worker.engine import GenerationRequest
-from llm_worker.types import NO_SOURCE, DraftTree
+from llm_worker.types import NO_SOURCE, DraftTree, ForwardCandidates, path_contexts
 
 VOCAB = 12
 
@@ -76,18 +84,33 @@ def test_best_paths() -> None:
         TreeTemplate.from_paths([(0,), (1, 0)])
 
 
-def brute_tree(rows: np.ndarray, root: int, paths: list[tuple[int, ...]], max_depth: int) -> DraftTree:
-    """Grow every template path recursively from the root: a node exists where its parent does
-    and its parent's row has an entry at its rank."""
+def brute_tree(
+    rows: np.ndarray,
+    context: list[int],
+    paths: list[tuple[int, ...]],
+    max_depth: int,
+    written: dict[tuple[int, ...], list[int]] | None = None,
+) -> DraftTree:
+    """Grow every template path recursively from the root (``context[-1]``): a node exists where
+    its parent does and the row of its parent's context has an entry at its rank. A context's
+    row: ``written``'s row of the longest of its last 3 and 2 tokens, else its last token's row."""
+    written = written or {}
     nodes: dict[tuple[int, ...], int] = {}  # path → token
 
-    def grow(path: tuple[int, ...], token: int) -> None:
-        for child in sorted(p for p in paths if len(p) == len(path) + 1 and p[:-1] == path):
-            if len(child) <= max_depth and rows[token, child[-1]] != EMPTY:
-                nodes[child] = int(rows[token, child[-1]])
-                grow(child, nodes[child])
+    def row_of(text: list[int]) -> list[int]:
+        for order in sorted(CONTEXT_ORDERS, reverse=True):
+            if len(text) >= order and tuple(text[-order:]) in written:
+                return written[tuple(text[-order:])]
+        return rows[text[-1]].tolist()
 
-    grow((), root)
+    def grow(path: tuple[int, ...], text: list[int]) -> None:
+        row = row_of(text)
+        for child in sorted(p for p in paths if len(p) == len(path) + 1 and p[:-1] == path):
+            if len(child) <= max_depth and row[child[-1]] != EMPTY:
+                nodes[child] = int(row[child[-1]])
+                grow(child, [*text, nodes[child]])
+
+    grow((), list(context))
     order = sorted(nodes, key=lambda p: (len(p), p))
     index = {p: i for i, p in enumerate(order)}
     return DraftTree(tuple(nodes[p] for p in order), tuple(index.get(p[:-1], -1) for p in order))
@@ -119,14 +142,118 @@ def test_tree_from_the_template_matches_a_recursive_expansion(
 ) -> None:
     paths = best_paths(tuple(accept), nodes, depth)
     template = TreeTemplate.from_paths(paths)
-    tokens, parents, kept = expand(rows, root, template, max_depth)
-    tree = DraftTree(tuple(tokens.tolist()), tuple(parents.tolist()))  # checks parents come first
-    assert tree == brute_tree(rows, root, paths, max_depth)
-    assert [template.paths[i][-1] for i in kept] == template.rank[kept].tolist()
+    matrix = TenantMatrix.empty(VOCAB, 4, slots=16)
+    matrix.next[:] = rows
+    grown = expand(matrix, np.array([root]), template, max_depth)
+    tree = DraftTree(tuple(grown.tokens.tolist()), tuple(grown.parents.tolist()))  # checks parents come first
+    assert tree == brute_tree(rows, [root], paths, max_depth)
+    assert [template.paths[i][-1] for i in grown.kept] == template.rank[grown.kept].tolist()
+    assert (grown.order == 1).all()  # no context rows: every node from a one-token row
     children: dict[int, list[int]] = {}
     for token, parent in zip(tree.tokens, tree.parents, strict=True):
         children.setdefault(parent, []).append(token)
     assert all(len(set(c)) == len(c) for c in children.values())  # siblings distinct
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=matrices(),
+    context=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    writes=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 3), min_size=2, max_size=3),
+            st.permutations(range(VOCAB)).map(lambda p: list(p[:4])),
+        ),
+        max_size=12,
+    ),
+    max_depth=st.integers(1, 5),
+)
+def test_context_rows_win_over_one_token_rows_as_a_recursive_expansion(
+    rows: np.ndarray, context: list[int], writes: list[tuple[list[int], list[int]]], max_depth: int
+) -> None:
+    """Contexts over a 4-token alphabet, so that branches meet written contexts often."""
+    matrix = TenantMatrix.empty(VOCAB, 4)
+    matrix.next[:] = rows
+    written: dict[tuple[int, ...], list[int]] = {}
+    rows = rows.copy()  # what the one-token rows become
+    for clock, (text, row) in enumerate(writes):
+        keys = np.array([[-1] * (3 - len(text)) + text])
+        update_matrix(matrix, np.array(text[-1:]), np.array([row]), clock, keys)
+        written[tuple(text)] = row
+        written[tuple(text[-2:])] = row  # a 3-token context also writes its 2-token one
+        rows[text[-1]] = row  # and its last token's row
+    slots = {slot_of(packed_keys(k)[-1][1], len(matrix.context_key)) for k in written}
+    if len(slots) < len(written):
+        return  # two contexts on one slot: the table keeps one (tested below)
+    paths = best_paths((0.5, 0.3, 0.1, 0.1), 30, 5)
+    template = TreeTemplate.from_paths(paths)
+    grown = expand(matrix, np.array(context), template, max_depth)
+    tree = DraftTree(tuple(grown.tokens.tolist()), tuple(grown.parents.tolist()))
+    assert tree == brute_tree(rows, context, paths, max_depth, written)
+
+
+def test_one_token_rows_go_on_with_the_next_row_of_a_write() -> None:
+    matrix = TenantMatrix.empty(10, 2)
+    rows = np.array([[1, 2], [3, 4]])
+    update_matrix(matrix, np.array([5, 6]), rows, 1, np.array([[7, 8, 5], [-1, -1, 6]]))
+    found = [matrix.row(c) for c in ([7, 8, 5], [0, 8, 5], [9, 9, 5], [0, 0, 6], [8, 5], [5])]
+    assert [r.tolist() for r, _, _ in found] == [[1, 2]] * 3 + [[3, 4], [1, 2], [1, 2]]  # [8, 5]: its own
+    assert [o for _, o, _ in found] == [3, 2, 1, 1, 2, 1]
+
+
+def test_two_contexts_on_one_slot_keep_one_and_never_answer_for_each_other() -> None:
+    matrix = TenantMatrix.empty(10, 2, slots=1)  # every context on the one slot
+    update_matrix(matrix, np.array([5]), np.array([[1, 2]]), 1, np.array([[-1, 8, 5]]))
+    update_matrix(matrix, np.array([5]), np.array([[3, 4]]), 2, np.array([[-1, 9, 5]]))
+    (a, order_a, when_a), (b, order_b, when_b) = matrix.row([0, 8, 5]), matrix.row([0, 9, 5])
+    assert (order_a, order_b, when_a, when_b) == (1, 2, 2, 2)  # [8, 5] was replaced
+    assert a.tolist() == b.tolist() == [3, 4]  # the one-token row, also written last
+
+
+def test_context_keys_are_the_tokens_packed_exactly() -> None:
+    texts = [[1, 2, 3], [2, 1, 3], [0, 2, 3], [3, 2, 1]]
+    keys = [packed_keys(t) for t in texts]
+    assert [[order for order, _ in k] for k in keys] == [[2, 3]] * 4
+    two, three = ({k[i][1] for k in keys} for i in (0, 1))
+    assert len(three) == 4 and len(two) == 3 and not three & two  # [2, 3] twice
+    assert packed_keys([4, 5]) == [(2, (5 << 21) | 6)] and packed_keys([5]) == []
+    assert packed_keys([0, 0, 0]) == [(2, (1 << 21) | 1), (3, (1 << 42) | (1 << 21) | 1)]
+    wide = (1 << 21) - 1
+    assert packed_keys([-1, 2, 3]) == [(2, (3 << 21) | 4)]  # the known suffix only
+    assert packed_keys([1, wide, 3]) == [] and packed_keys([1, 2, wide]) == []
+
+
+def test_the_drafter_writes_each_rows_context_along_its_branch() -> None:
+    store = RecycleStore(k=2, context_slots=1 << 10)
+    drafter = make_drafter(store)
+    tree = DraftTree((5, 6), (-1, -1))
+    rows = ForwardCandidates.of_tree(np.array([7, 8]), 9, tree, np.arange(6).reshape(3, 2))
+    drafter.observe_candidates(RequestState(), rows)
+    matrix = store.get("")
+    assert matrix is not None
+    for text, row in zip(rows.contexts(3).tolist(), ([0, 1], [2, 3], [4, 5]), strict=True):
+        assert text in ([7, 8, 9], [8, 9, 5], [8, 9, 6])
+        found, order, _ = matrix.row(text)
+        assert (found.tolist(), order) == (row, 3)
+
+
+@given(
+    parents=st.lists(st.integers(0, 6), min_size=0, max_size=7),
+    history=st.lists(st.integers(0, 9), max_size=5),
+    width=st.integers(1, 4),
+)
+def test_path_contexts_read_each_rows_branch(parents: list[int], history: list[int], width: int) -> None:
+    parent_rows = [-1] + [min(p, i) for i, p in enumerate(parents)]  # row i + 1's parent: a row before it
+    inputs = np.arange(100, 100 + len(parent_rows))
+    keys = path_contexts(np.array(history, dtype=np.int64), inputs, np.array(parent_rows), width)
+    for r in range(len(parent_rows)):
+        text, at = [], r
+        while at >= 0:
+            text.insert(0, int(inputs[at]))
+            at = parent_rows[at]
+        text = history + text
+        expected = [-1] * max(0, width - len(text)) + text[-width:]
+        assert keys[r].tolist() == expected[-width:]
 
 
 def propose(drafter: RecycleDrafter, tenant: str, tokens: list[int], budget: int = 16) -> DraftTree:
@@ -165,13 +292,14 @@ def test_features_say_rank_and_whether_the_row_is_new() -> None:
     store.observe("", VOCAB, np.array([1]), np.array([[2, 3, 4, 5]]))
     state = RequestState()
     ctx = DraftContext(np.array([0, 1]), 16, request_state=state)
-    assert drafter.propose(ctx).features == ("tr:r0:old", "tr:r1:old", "tr:r2:old", "tr:r3:old")
-    drafter.observe_candidates(state, np.array([1]), np.array([[2, 3, 4, 5]]))
-    assert drafter.propose(ctx).features == ("tr:r0:new", "tr:r1:new", "tr:r2:new", "tr:r3:new")
+    assert drafter.propose(ctx).features == ("tr:o1:r0:old", "tr:o1:r1:old", "tr:o1:r2:old", "tr:o1:r3:old")
+    rows = ForwardCandidates(np.array([1]), np.array([-1]), np.array([0]), np.array([[2, 3, 4, 5]]))
+    drafter.observe_candidates(state, rows)
+    assert drafter.propose(ctx).features == ("tr:o2:r0:new", "tr:o2:r1:new", "tr:o2:r2:new", "tr:o2:r3:new")
 
 
 def test_the_store_evicts_the_least_recently_used_tenant() -> None:
-    store = RecycleStore(max_tenants=2, k=4)
+    store = RecycleStore(max_tenants=2, k=4, context_slots=8)
     drafter = make_drafter(store)
     row = np.array([[2, 3, 4, 5]])
     store.observe("a", VOCAB, np.array([1]), row)
@@ -183,7 +311,9 @@ def test_the_store_evicts_the_least_recently_used_tenant() -> None:
     store.observe("b", VOCAB, np.array([1]), row)  # and starts again, empty but for this row
     assert store.get("b").next[2].tolist() == [EMPTY] * 4  # type: ignore[union-attr]
     assert store.tenants() == ["c", "b"]
-    assert store.nbytes == 2 * VOCAB * (4 * 4 + 8)
+    assert store.nbytes == 2 * (VOCAB * (4 * 4 + 8) + 8 * (4 * 4 + 16))
+    with pytest.raises(ValueError, match="power of two"):
+        RecycleStore(context_slots=12)
 
 
 def test_mode_strings_share_one_store() -> None:

@@ -41,6 +41,7 @@ from llm_worker.types import (
     ArtifactUnavailableError,
     Draft,
     DraftTree,
+    ForwardCandidates,
     UndeclaredArtifactError,
     VerifyResult,
     hidden_key,
@@ -183,13 +184,12 @@ class Drafter(ABC):
     """How many of the target's likeliest next tokens this drafter wants to see at every row of
     every verify forward (``observe_candidates``; 0: none, the engine then computes nothing)."""
 
-    def observe_candidates(  # noqa: B027 - optional hook
-        self, state: RequestState, inputs: np.ndarray, candidates: np.ndarray
-    ) -> None:
+    def observe_candidates(self, state: RequestState, rows: ForwardCandidates) -> None:  # noqa: B027 - optional hook
         """After each verify forward of a tree draft (empty drafts too), for a drafter whose
-        ``candidates`` is k > 0: ``inputs`` [rows] the forward's tokens (the root, then the draft's
-        nodes), ``candidates`` [rows, k] the target's k likeliest next tokens after each, likeliest
-        first, accepted or not (default: ignored). The ids alone: a drafter never sees logits."""
+        ``candidates`` is k > 0: the forward's rows (the root, then the draft's nodes), where
+        each sits (its parent row, the committed tokens before the root) and the target's k
+        likeliest next tokens after each, likeliest first, accepted or not (default: ignored).
+        The ids alone: a drafter never sees logits."""
 
     def finish(self, state: RequestState, tokens: np.ndarray, prompt_length: int) -> None:  # noqa: B027
         """A request that ran to its end: ``tokens`` [T] its prompt and every generated token, the

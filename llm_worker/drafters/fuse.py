@@ -38,7 +38,15 @@ from llm_worker.drafters.base import (
     UnknownModeError,
 )
 from llm_worker.model.target import TargetModel
-from llm_worker.types import NO_SOURCE, ArtifactNeeds, DraftBatch, DraftTree, Outcome, VerifyResult
+from llm_worker.types import (
+    NO_SOURCE,
+    ArtifactNeeds,
+    DraftBatch,
+    DraftTree,
+    ForwardCandidates,
+    Outcome,
+    VerifyResult,
+)
 from specdraft.common import shorten
 
 DEFAULT_SOURCES = ("pld", "suffix", "rest", "dresd")
@@ -184,11 +192,11 @@ class FuseDrafter(Drafter):
             self.sources[name].observe(own_tree, verdict, fused.states[name])
         fused.proposed = {}
 
-    def observe_candidates(self, state: RequestState, inputs: np.ndarray, candidates: np.ndarray) -> None:
+    def observe_candidates(self, state: RequestState, rows: ForwardCandidates) -> None:
         fused = self._state(state)
         for name, source in self.sources.items():
             if source.candidates:
-                source.observe_candidates(fused.states[name], inputs, candidates[:, : source.candidates])
+                source.observe_candidates(fused.states[name], rows.narrowed(source.candidates))
 
     def finish(self, state: RequestState, tokens: np.ndarray, prompt_length: int) -> None:
         fused = self._state(state)

@@ -2,12 +2,13 @@
 
 Every verify forward ranks the whole vocabulary after each of its input rows, and plain decoding
 keeps only one token of that ranking. Token Recycling keeps the target's k likeliest next tokens
-after every input token in an adjacency matrix (``recycle_store``: one per tenant, retained
-across requests, updated after every step) and drafts a tree from it: from the root token, the
-children of a node with token t are the first entries of row t, expanded along a static tree
-template. The planner learns how often a node is accepted by its rank among its siblings and by
-whether its parent's row was written since the request began, and keeps what pays on this
-machine's verify cost curve.
+after every input token in an adjacency matrix, and here also after its last two and three
+tokens (``recycle_store``: one set of rows per tenant, retained across requests, updated after
+every step), and drafts a tree from it: from the root, the children of a node are the first
+entries of the row of its context (the longest written, else its token's own), expanded along a
+static tree template. The planner learns how often a node is accepted by the context length of
+its row, its rank among its siblings and whether that row was written since the request began,
+and keeps what pays on this machine's verify cost curve.
 
 The template: the ``nodes`` paths of ranks, at most ``depth`` deep, with the highest product of
 ``RANK_ACCEPT`` along them (``best_paths``). Under independent acceptance per rank this is the
@@ -17,13 +18,15 @@ under higher ranks. Any of its prefixes in that order is again the best tree of 
 ``nodes=`` shrinks it without changing its shape.
 
 Example: row 7 = [3, 9], row 3 = [5, 2], row 9 = [4, 1]; root 7 with template
-[(0,), (1,), (0, 0)] → nodes 3 and 9 under the root, 5 under 3.
+[(0,), (1,), (0, 0)] → nodes 3 and 9 under the root, 5 under 3; had the context [7, 3] a row
+[6, 8] of its own, 6 under 3.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,15 +39,18 @@ from llm_worker.drafters.base import (
     RequestState,
     int_option,
 )
-from llm_worker.drafters.recycle_store import EMPTY, RecycleStore
+from llm_worker.drafters.recycle_store import CONTEXT_ORDERS, EMPTY, RecycleStore, TenantMatrix
 from llm_worker.model.target import TargetModel
-from llm_worker.types import DraftTree
+from llm_worker.types import DraftTree, ForwardCandidates
 
-RANK_ACCEPT = (0.21, 0.078, 0.032, 0.022, 0.013, 0.013, 0.013, 0.013)
-"""P(the target's next token is the r-th entry of the root's matrix row), by rank r: the prior that
-shapes the template (the planner learns the real rates as it runs). Measured on 16 open-ended
-corpus prompts that are no benchmark's questions, a row never written counting as a miss; ranks
-4-7 pooled (``docs/measurements/2026-11-27-recycle.md``)."""
+RANK_ACCEPT = (0.7, 0.1, 0.05, 0.03, 0.02, 0.02, 0.02, 0.02)
+"""The prior of the r-th entry of a row being accepted, which shapes the template (the planner
+learns the real rates as it runs, by rank, context length and depth): the likeliest entry of a
+row read after the same three tokens was accepted 60-90 % of the time in a tuning run, of a
+one-token row 5-27 %. Chosen on 16 open-ended prompts of the corpus's training split (none of a
+benchmark's): this deep shape (rank 0 chained to the full depth) gave τ 1.27, the template of the
+measured one-token rates (0.21, 0.078, 0.032, 0.022, then 0.013), three levels deep, 1.19
+(``docs/measurements/2026-11-27-recycle-context.md``)."""
 
 DEFAULT_NODES = 24
 DEFAULT_DEPTH = 6
@@ -84,6 +90,8 @@ class TreeTemplate:
     parent: np.ndarray  # [nodes] int64
     rank: np.ndarray  # [nodes] int64
     levels: tuple[tuple[int, int], ...]
+    nodes: tuple[tuple[int, int, int], ...]
+    """(parent, rank, depth) of each node as Python ints: ``expand`` walks them one by one."""
 
     @staticmethod
     def from_paths(paths: list[tuple[int, ...]]) -> TreeTemplate:
@@ -104,34 +112,71 @@ class TreeTemplate:
             np.array(parent, dtype=np.int64),
             np.array([p[-1] for p in ordered], dtype=np.int64),
             levels,
+            tuple((parent[i], p[-1], len(p)) for i, p in enumerate(ordered)),
         )
 
     def __len__(self) -> int:
         return len(self.paths)
 
 
-def expand(
-    next_tokens: np.ndarray, root: int, template: TreeTemplate, max_depth: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The template grown from ``root`` over ``next_tokens`` [vocab, k] (a tenant's matrix), level
-    by level with one gather each, to at most ``max_depth``. A node whose entry is ``EMPTY`` is
-    dropped with its subtree. Returns (tokens, parents, kept): the tokens of the nodes that exist,
-    their parents as ``DraftTree`` numbers them (-1: the root) and their template node numbers.
-    Siblings carry distinct tokens: a matrix row holds a top-k, distinct by construction.
+class Expansion(NamedTuple):
+    """A tree grown from the template (``expand``): the nodes that exist, their parents as
+    ``DraftTree`` numbers them (-1: the root), their template node numbers, and for each node the
+    context length of the row that drafted it (1: the parent's one-token row) and when that row
+    was written."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    kept: np.ndarray
+    order: np.ndarray
+    written: np.ndarray
+
+
+def expand(matrix: TenantMatrix, context: np.ndarray, template: TreeTemplate, max_depth: int) -> Expansion:
+    """The template grown from the root (``context[-1]``, the committed text ending with it) over a
+    tenant's ``matrix`` to at most ``max_depth``: a node's children come from the row of its
+    context (``TenantMatrix.row``: the longest one written along the committed text and the
+    branch, else its token's own). A node whose entry is ``EMPTY`` is dropped with its subtree.
+    Siblings carry distinct tokens: a row holds a top-k, distinct by construction.
 
     Example: see the module's docstring.
     """
-    stop = template.levels[min(max_depth, len(template.levels)) - 1][1] if max_depth > 0 else 0
-    tokens = np.full(1 + stop, EMPTY, dtype=np.int64)  # [root, node 0, ...]
-    tokens[0] = root
-    for lo, hi in template.levels[:max_depth]:
-        above = tokens[template.parent[lo:hi]]
-        found = next_tokens[np.maximum(above, 0), template.rank[lo:hi]]
-        tokens[1 + lo : 1 + hi] = np.where(above >= 0, found, EMPTY)
-    kept = np.flatnonzero(tokens[1:] >= 0)
-    renumber = np.full(1 + stop, -1, dtype=np.int64)  # template number + 1 → tree number
-    renumber[1 + kept] = np.arange(len(kept))
-    return tokens[1 + kept], renumber[template.parent[kept]], kept
+    width = max(CONTEXT_ORDERS)
+    texts: list[tuple[int, ...]] = [tuple(int(t) for t in context[len(context) - min(len(context), width) :])]
+    rows: dict[int, tuple[list[int], int, int]] = {}  # position (0: the root) → its row, order, written
+    tokens: list[int] = []
+    parents: list[int] = []
+    kept: list[int] = []
+    orders: list[int] = []
+    written: list[int] = []
+    number = {0: -1}  # position → tree number (-1: the root)
+    for i, (above, rank, depth) in enumerate(template.nodes):
+        if depth > max_depth:
+            break
+        texts.append(())
+        if above not in number:  # its parent was dropped
+            continue
+        found = rows.get(above)
+        if found is None:
+            row, order, when = matrix.row(texts[above])
+            found = rows[above] = (row.tolist(), order, when)
+        token = found[0][rank]
+        if token == EMPTY:
+            continue
+        texts[1 + i] = (*texts[above][1 - width :], token)
+        number[1 + i] = len(tokens)
+        tokens.append(token)
+        parents.append(number[above])
+        kept.append(i)
+        orders.append(found[1])
+        written.append(found[2])
+    return Expansion(
+        np.array(tokens, dtype=np.int64),
+        np.array(parents, dtype=np.int64),
+        np.array(kept, dtype=np.int64),
+        np.array(orders, dtype=np.int64),
+        np.array(written, dtype=np.int64),
+    )
 
 
 class _State(DrafterState):
@@ -149,7 +194,10 @@ class RecycleDrafter(Drafter):
         self.template = template
         self.candidates = store.k
         self._features = {
-            (r, new): f"tr:r{r}:{'new' if new else 'old'}" for r in range(store.k) for new in (0, 1)
+            (o, r, new): f"tr:o{o}:r{r}:{'new' if new else 'old'}"
+            for o in (1, *CONTEXT_ORDERS)
+            for r in range(store.k)
+            for new in (False, True)
         }
 
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -162,21 +210,30 @@ class RecycleDrafter(Drafter):
         root = int(ctx.tokens[-1])
         if not 0 <= root < len(matrix.next):  # a token of logits wider than the vocabulary
             return DraftTree.empty()
-        tokens, parents, kept = expand(matrix.next, root, self.template, ctx.budget)
-        if not len(tokens):
+        grown = expand(matrix, ctx.tokens[-max(CONTEXT_ORDERS) :], self.template, ctx.budget)
+        if not len(grown.tokens):
             return DraftTree.empty()
-        above = np.where(parents >= 0, tokens[np.maximum(parents, 0)], root)  # whose row drafted each
-        new = (matrix.written[above] >= state.drafter.since).tolist()
-        features = [self._features[r, n] for r, n in zip(self.template.rank[kept].tolist(), new, strict=True)]
-        return DraftTree(tuple(tokens.tolist()), tuple(parents.tolist()), (), tuple(features))
+        new = grown.written >= state.drafter.since
+        features = [
+            self._features[o, r, n]
+            for o, r, n in zip(
+                grown.order.tolist(), self.template.rank[grown.kept].tolist(), new.tolist(), strict=True
+            )
+        ]
+        return DraftTree(tuple(grown.tokens.tolist()), tuple(grown.parents.tolist()), (), tuple(features))
 
-    def observe_candidates(self, state: RequestState, inputs: np.ndarray, candidates: np.ndarray) -> None:
-        self.store.observe(state.tenant, self.vocab, inputs, candidates)
+    def observe_candidates(self, state: RequestState, rows: ForwardCandidates) -> None:
+        before = max(CONTEXT_ORDERS) - 1
+        texts: list[tuple[int, ...]] = []  # each row's last tokens along its path (rows.contexts, in Python)
+        for token, parent in zip(rows.inputs.tolist(), rows.parents.tolist(), strict=True):
+            above = texts[parent] if parent >= 0 else tuple(rows.history.tolist())
+            texts.append((*above[len(above) - min(len(above), before) :], token))
+        self.store.observe(state.tenant, self.vocab, rows.inputs, rows.candidates, texts)
 
 
 @DRAFTERS.register(
     "recycle",
-    "Token Recycling: a tree from the target's past top-k candidates per token, learnt online",
+    "Token Recycling: a tree from the target's past top-k candidates per token and context, learnt online",
     ("nodes", "depth"),
 )
 def _make_recycle(target: TargetModel, options: dict[str, str], resources: DraftResources) -> Drafter:
