@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.specdraft-installed
 
-.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus datastore-own gpu-train gpu-scaling gpu-check clean
+.PHONY: setup stubs test-deps demo test test-fast lint format bench calibrate up down loadtest fuzz chaos train-glide train-edd corpus datastore-own recycle-seed gpu-train gpu-scaling gpu-check clean
 
 setup: $(STAMP)
 
@@ -157,6 +157,15 @@ datastore-own: setup
 	  --out $(OWN_DIR) --shards $(OWN_SHARDS) --dense --dense-tokens $(OWN_DENSE_TOKENS) --index ivf \
 	  --hidden-cache $(OWN_WORK)/hidden
 	$(VENV)/bin/specdraft datastore info $(OWN_DIR)
+
+# Rows for recycle to start from (docs/modes.md, "Seeded rows"): the target's top 8 over
+# RECYCLE_CONVERSATIONS conversations of the committed corpus's train split; about 0.5 s a
+# conversation on a 2-core CPU. Replaced whole when done.
+RECYCLE_SEED          ?= bench-out/recycle-seed.npz
+RECYCLE_CONVERSATIONS ?= 1500
+recycle-seed: setup
+	$(VENV)/bin/specdraft datastore recycle-seed --corpus $(CORPUS_DIR) --out $(RECYCLE_SEED) \
+	  --conversations $(RECYCLE_CONVERSATIONS)
 
 # EDD for the default model (docs/edd.md) from the committed corpus: its answers unpacked (none
 # generated: --data-minutes ~0), the features of the first EDD_FEATURE_GB of them (about 1.3k

@@ -59,6 +59,8 @@ class ResourceConfig:
     """Tokens ``suffix`` mode keeps of finished requests, over all tenants (``SuffixStore``)."""
     recycle_max_tenants: int = RECYCLE_MAX_TENANTS
     """Token Recycling matrices kept, one per tenant (``RecycleStore``)."""
+    recycle_seed: str | None = None
+    """A file of rows every tenant's ``recycle`` starts from (``recycle_seed``); None: empty rows."""
 
 
 def load_model(cfg: ModelConfig) -> tuple[TargetModel, Tokenizer]:
@@ -70,13 +72,36 @@ def load_model(cfg: ModelConfig) -> tuple[TargetModel, Tokenizer]:
         raise AssemblyError(str(exc)) from exc
 
 
+def _recycle_store(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> RecycleStore:
+    """``recycle``'s rows under ``cfg``'s bound, seeded from ``cfg.recycle_seed`` when it names one
+    (AssemblyError for a seed that cannot be used: unreadable, another tokenizer's, another shape)."""
+    if cfg.recycle_seed is None:
+        return RecycleStore(cfg.recycle_max_tenants)
+    from datastore_svc.store import tokenizer_identity
+    from llm_worker.drafters.recycle_seed import SeedError, load_seed
+
+    fingerprint = None if tokenizer is None else tokenizer_identity(tokenizer)["fingerprint"]
+    store = RecycleStore(cfg.recycle_max_tenants)
+    try:
+        seed, info = load_seed(cfg.recycle_seed, fingerprint, store.k, store.context_slots)
+    except SeedError as exc:
+        raise AssemblyError(str(exc)) from exc
+    log.info(
+        "recycle rows seeded from %s (%d conversations, %d positions)",
+        cfg.recycle_seed,
+        info.conversations,
+        info.tokens,
+    )
+    return RecycleStore(cfg.recycle_max_tenants, store.k, store.context_slots, seed)
+
+
 def build_resources(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> DraftResources:
     """The datastore (local or remote) and the dense caches of ``cfg`` (none of them when
     ``cfg`` names no datastore), and the online stores of ``suffix`` and ``recycle`` under
     ``cfg``'s bounds."""
     if cfg.datastore_path and cfg.datastore_addresses:
         raise AssemblyError("give --datastore or --datastore-addr, not both")
-    suffixes, recycling = SuffixStore(cfg.suffix_max_tokens), RecycleStore(cfg.recycle_max_tenants)
+    suffixes, recycling = SuffixStore(cfg.suffix_max_tokens), _recycle_store(cfg, tokenizer)
     datastore: Datastore | None = None
     if cfg.datastore_path:
         from datastore_svc.dense import faiss_gpus

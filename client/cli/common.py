@@ -265,6 +265,11 @@ def add_datastore_args(p: argparse.ArgumentParser) -> None:
         help="learned drafters' checkpoints (glide.json, glide-vanilla.json, edd.json),"
         " before the shipped ones",
     )
+    p.add_argument(
+        "--recycle-seed",
+        metavar="FILE",
+        help="rows every tenant's recycle starts from (specdraft datastore recycle-seed); default: empty",
+    )
     add_client_security_args(p, prefix="datastore-")
 
 
@@ -297,6 +302,7 @@ def resource_config(args: argparse.Namespace) -> ResourceConfig:
         datastore_security=client_security(args, prefix="datastore-"),
         heads_file=getattr(args, "heads_file", None),
         drafters_dir=getattr(args, "drafters_dir", None),
+        recycle_seed=getattr(args, "recycle_seed", None),
         suffix_max_tokens=getattr(args, "suffix_max_tokens", defaults.suffix_max_tokens),
         recycle_max_tenants=getattr(args, "recycle_max_tenants", defaults.recycle_max_tenants),
     )

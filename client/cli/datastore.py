@@ -1,4 +1,5 @@
-"""``specdraft datastore``: build, generate, local-corpus, own-corpus, bench, eval, info, swap, rebuild."""
+"""``specdraft datastore``: build, generate, local-corpus, own-corpus, recycle-seed, bench, eval, info,
+swap, rebuild."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def add_datastore(sub: Any) -> None:
     _add_generate(dsc_sub)
     _add_local_corpus(dsc_sub)
     _add_own_corpus(dsc_sub)
+    _add_recycle_seed(dsc_sub)
     _add_bench(dsc_sub)
     _add_eval(dsc_sub)
     _add_info(dsc_sub)
@@ -144,6 +146,28 @@ def _add_own_corpus(dsc_sub: Any) -> None:
         "--questions-out", help="also write the held-out split's first user turns as Spec-Bench questions"
     )
     do.set_defaults(func=cmd_own_corpus)
+
+
+def _add_recycle_seed(dsc_sub: Any) -> None:
+    """``datastore recycle-seed``."""
+    rs = dsc_sub.add_parser(
+        "recycle-seed",
+        help="rows for recycle to start from: the target's top 8 over a corpus of its answers",
+    )
+    rs.add_argument(
+        "--corpus",
+        required=True,
+        help='JSONL of chat records ({"messages"}), or a committed corpus directory (its train split)',
+    )
+    rs.add_argument("--out", required=True, help="the seed file to write (.npz; replaced whole)")
+    rs.add_argument(
+        "--conversations",
+        type=positive_int,
+        default=1000,
+        help="conversations read, spread evenly over the corpus (a corpus lists its kinds in runs)",
+    )
+    add_model_args(rs)
+    rs.set_defaults(func=cmd_recycle_seed)
 
 
 def _add_bench(dsc_sub: Any) -> None:
@@ -433,6 +457,84 @@ def cmd_own_corpus(args: argparse.Namespace) -> int:
     except (CorpusError, OSError) as exc:
         raise CliError(str(exc)) from exc
     print_json({"out": args.out, **counts})
+    return 0
+
+
+def cmd_recycle_seed(args: argparse.Namespace) -> int:
+    import json
+
+    from datastore_svc.store import tokenizer_identity
+    from llm_worker.chat import chat_prompt_ids
+    from llm_worker.drafters.recycle_seed import SeedInfo, save_seed, seed_rows
+    from llm_worker.drafters.recycle_store import CONTEXT_SLOTS
+    from llm_worker.training.corpus import CorpusError
+    from specdraft.common import Progress
+
+    _check_corpus(args.corpus)
+    target, tokenizer = model_from_args(args)
+    if not getattr(tokenizer, "chat_template", None):
+        raise CliError(
+            "a recycle seed reads answers through the model's chat template; this tokenizer has none"
+        )
+
+    def records() -> Iterator[dict[str, Any]]:
+        if Path(args.corpus).is_dir():
+            yield from _own_conversations(Path(args.corpus))
+            return
+        with open(args.corpus, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise CliError(f"{args.corpus}:{number}: not JSON ({exc.msg})") from None
+
+    def examples() -> Iterator[tuple[list[int], list[int]]]:
+        every = list(records())
+        step = max(1.0, len(every) / args.conversations)
+        for record in (every[int(i * step)] for i in range(min(args.conversations, len(every)))):
+            messages = record.get("messages") if isinstance(record, dict) else None
+            if not (isinstance(messages, list) and len(messages) >= 2):
+                continue
+            user, answer = messages[0], messages[1]
+            if not (
+                isinstance(user, dict) and isinstance(answer, dict) and answer.get("role") == "assistant"
+            ):
+                continue
+            prompt = chat_prompt_ids(tokenizer, [user])
+            text = tokenizer.apply_chat_template([user, answer], tokenize=False)
+            whole = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if whole[: len(prompt)] == prompt:
+                yield prompt, whole[len(prompt) :]
+
+    progress = Progress(f"recycle seed: {args.conversations} conversations through the target", note="")
+    try:
+        matrix, read, written = seed_rows(
+            target,
+            examples(),
+            progress=lambda n: progress.update(n / args.conversations),
+        )
+    except (CorpusError, OSError, UnicodeDecodeError) as exc:
+        raise CliError(str(exc)) from exc
+    progress.done()
+    if not read:
+        raise CliError(f"{args.corpus} has no conversation of a user turn and an assistant answer")
+    info = SeedInfo(
+        tokenizer_identity(tokenizer)["fingerprint"],
+        target.info.vocab_size,
+        matrix.next.shape[1],
+        CONTEXT_SLOTS,
+        read,
+        written,
+        f"specdraft datastore recycle-seed --corpus {args.corpus} --conversations {args.conversations}",
+    )
+    try:
+        save_seed(args.out, matrix, info)
+    except OSError as exc:
+        raise CliError(f"cannot write {args.out}: {exc}") from exc
+    print_json(
+        {"out": args.out, "conversations": read, "positions": written, "bytes": Path(args.out).stat().st_size}
+    )
     return 0
 
 

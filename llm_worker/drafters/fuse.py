@@ -54,7 +54,9 @@ DEFAULT_SOURCES = ("pld", "suffix", "rest", "dresd")
 without a datastore, ``dresd`` without a dense index) are left out. Learned drafters cost forwards,
 so they join only when named, and so does ``recycle``: on 16 open-ended held-out prompts (2-core
 EPYC) its wide trees took the fused mode from 1.01-1.04x ``ar`` to 0.67x
-(docs/measurements/2026-11-27-fuse-and-ivf.md)."""
+(docs/measurements/2026-11-27-fuse-and-ivf.md); with its context rows, 1.05x without it against
+1.02x with it on the same kind of prompts (2-core Xeon,
+docs/measurements/2026-11-27-recycle-context.md)."""
 
 
 def fused_feature(by_source: Mapping[str, str]) -> str:
