@@ -72,7 +72,7 @@ def load_model(cfg: ModelConfig) -> tuple[TargetModel, Tokenizer]:
         raise AssemblyError(str(exc)) from exc
 
 
-def _recycle_store(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> RecycleStore:
+def _recycle_store(cfg: ResourceConfig, tokenizer: Tokenizer | None, vocab: int | None) -> RecycleStore:
     """``recycle``'s rows under ``cfg``'s bound, seeded from ``cfg.recycle_seed`` when it names one
     (AssemblyError for a seed that cannot be used: unreadable, another tokenizer's, another shape)."""
     if cfg.recycle_seed is None:
@@ -83,7 +83,7 @@ def _recycle_store(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> RecycleS
     fingerprint = None if tokenizer is None else tokenizer_identity(tokenizer)["fingerprint"]
     store = RecycleStore(cfg.recycle_max_tenants)
     try:
-        seed, info = load_seed(cfg.recycle_seed, fingerprint, store.k, store.context_slots)
+        seed, info = load_seed(cfg.recycle_seed, fingerprint, store.k, store.context_slots, vocab)
     except SeedError as exc:
         raise AssemblyError(str(exc)) from exc
     log.info(
@@ -95,13 +95,15 @@ def _recycle_store(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> RecycleS
     return RecycleStore(cfg.recycle_max_tenants, store.k, store.context_slots, seed)
 
 
-def build_resources(cfg: ResourceConfig, tokenizer: Tokenizer | None) -> DraftResources:
+def build_resources(
+    cfg: ResourceConfig, tokenizer: Tokenizer | None, vocab: int | None = None
+) -> DraftResources:
     """The datastore (local or remote) and the dense caches of ``cfg`` (none of them when
     ``cfg`` names no datastore), and the online stores of ``suffix`` and ``recycle`` under
-    ``cfg``'s bounds."""
+    ``cfg``'s bounds (``vocab``: the model's, which a ``recycle`` seed must have)."""
     if cfg.datastore_path and cfg.datastore_addresses:
         raise AssemblyError("give --datastore or --datastore-addr, not both")
-    suffixes, recycling = SuffixStore(cfg.suffix_max_tokens), _recycle_store(cfg, tokenizer)
+    suffixes, recycling = SuffixStore(cfg.suffix_max_tokens), _recycle_store(cfg, tokenizer, vocab)
     datastore: Datastore | None = None
     if cfg.datastore_path:
         from datastore_svc.dense import faiss_gpus
@@ -175,7 +177,11 @@ def load_engine(
     loop configured by ``config`` (None: the defaults)."""
     target, tokenizer = load_model(model)
     return (
-        Engine(target, config, resources=build_resources(resources or ResourceConfig(), tokenizer)),
+        Engine(
+            target,
+            config,
+            resources=build_resources(resources or ResourceConfig(), tokenizer, target.info.vocab_size),
+        ),
         target,
         tokenizer,
     )

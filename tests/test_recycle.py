@@ -64,6 +64,41 @@ def test_matrix_update_matches_writing_row_by_row(rows: list[tuple[int, list[int
     np.testing.assert_array_equal(fast.written, slow.written)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.integers(-1, 3), min_size=3, max_size=3),
+            st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=2),
+        ),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_context_rows_keep_the_first_row_of_a_context_in_one_forward(
+    rows: list[tuple[list[int], list[int]]],
+) -> None:
+    """Contexts over a 4-token alphabet (-1: not known), so that one forward repeats them."""
+    contexts = [[-1] * (c.index(-1) + 1) + c[c.index(-1) + 1 :] if -1 in c else c for c, _ in rows]
+    candidates = np.array([r for _, r in rows])
+    matrix = TenantMatrix.empty(VOCAB, 2)
+    update_matrix(matrix, np.array([c[-1] for c in contexts]), candidates, 3, contexts)
+    first: dict[tuple[int, ...], list[int]] = {}
+    for context, (_, row) in zip(contexts, rows, strict=True):
+        if context[-1] < 0:
+            continue
+        for order in CONTEXT_ORDERS:
+            key = tuple(context[-order:])
+            if -1 not in key:
+                first.setdefault(key, row)
+    slots = {slot_of(packed_keys(list(k))[-1][1], len(matrix.context_key)) for k in first}
+    if len(slots) < len(first):
+        return  # two contexts on one slot (tested on its own)
+    for key, row in first.items():
+        found, order, when = matrix.row(list(key))
+        assert (found.tolist(), order, when) == (row, len(key), 3)
+
+
 def test_matrix_update_example() -> None:
     m = TenantMatrix.empty(10, 2)
     update_matrix(m, np.array([5, 9, 5]), np.array([[1, 2], [3, 4], [6, 7]]), clock=1)

@@ -5,6 +5,7 @@ that a bench then loads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from unittest import mock
@@ -12,6 +13,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from numpy.lib.npyio import NpzFile
 
 from helpers.models import tiny_target
 from llm_worker.assembly import AssemblyError, ResourceConfig, build_resources
@@ -49,19 +51,62 @@ def test_a_seed_file_round_trips_and_a_foreign_or_broken_one_is_refused(tmp_path
     matrix, info = seeded()
     path = tmp_path / "seed.npz"
     save_seed(path, matrix, info)
-    loaded, read = load_seed(path, "abc", 4, SLOTS)
+    loaded, read = load_seed(path, "abc", 4, SLOTS, vocab=20)
     assert read == info and loaded.next.tolist() == matrix.next.tolist()
     assert loaded.written.tolist() == matrix.written.tolist()
+    assert not loaded.next.flags.writeable and not loaded.context_next.flags.writeable  # shared, read-only
     with pytest.raises(SeedError, match="another tokenizer"):
         load_seed(path, "xyz", 4, SLOTS)
+    with pytest.raises(SeedError, match="vocabulary of 20"):
+        load_seed(path, "abc", 4, SLOTS, vocab=21)
     with pytest.raises(SeedError, match="k=4"):
         load_seed(path, "abc", 8, SLOTS)
-    path.write_bytes(path.read_bytes()[:100])
+    good = path.read_bytes()
+    rng = np.random.default_rng(0)
+    for offset in rng.integers(0, len(good), 60).tolist():  # any damaged byte: a SeedError or a seed
+        broken = bytearray(good)
+        broken[offset] ^= 0xFF
+        path.write_bytes(bytes(broken))
+        with contextlib.suppress(SeedError):
+            load_seed(path, "abc", 4, SLOTS)
+    path.write_bytes(good[:100])
     with pytest.raises(SeedError, match="not a readable seed"):
         load_seed(path, "abc", 4, SLOTS)
-    matrix.next[6] = [25, 1, 2, 3]  # beyond the vocabulary of 20
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda m, i: (m.next.__setitem__(6, [25, 1, 2, 3]), i), "outside the vocabulary"),
+        (lambda m, i: (m.context_next.__setitem__(3, [1, 2, 99, 3]), i), "outside the vocabulary"),
+        (lambda m, i: (m.next.__setitem__(6, [1, 2, 1, 3]), i), "a token twice"),
+        (lambda m, i: (None, SeedInfo(5, 20, 4, SLOTS, 1, 1)), "malformed record"),  # type: ignore[arg-type]
+    ],
+    ids=["token", "context token", "twice", "record"],
+)
+def test_a_seed_with_rows_no_target_writes_is_refused(tmp_path: Path, change: object, reason: str) -> None:
+    matrix, info = seeded()
+    _, info = change(matrix, info)  # type: ignore[operator]
+    path = tmp_path / "seed.npz"
     save_seed(path, matrix, info)
-    with pytest.raises(SeedError, match="outside the vocabulary"):
+    with pytest.raises(SeedError, match=reason):
+        load_seed(path, None, 4, SLOTS)
+
+
+def test_arrays_other_than_the_record_declares_are_refused_before_they_are_read(tmp_path: Path) -> None:
+    matrix, _ = seeded()
+    path = tmp_path / "seed.npz"
+    save_seed(path, matrix, SeedInfo("abc", 10**9, 4, SLOTS, 1, 1))  # a record claiming 10**9 tokens
+    read = NpzFile.__getitem__
+
+    def record_only(self: NpzFile, key: str) -> np.ndarray:
+        assert key == "info", f"{key} decompressed"
+        return read(self, key)  # type: ignore[no-any-return]
+
+    with (
+        mock.patch.object(NpzFile, "__getitem__", record_only),
+        pytest.raises(SeedError, match="next is int32"),
+    ):
         load_seed(path, None, 4, SLOTS)
 
 
@@ -87,6 +132,10 @@ def test_every_tenant_starts_from_the_seed_and_writes_its_own_copy() -> None:
     b = store.get("b")
     assert b is not None and b.next[5].tolist() == [1, 2, 3, 4] and b.next[6].tolist() == [1, 1, 1, 1]
     assert a.next[6].tolist() == [EMPTY] * 4
+    small = RecycleStore(max_tenants=1, k=4, context_slots=SLOTS, seed=seed)
+    small.observe("a", 20, np.array([5]), np.array([[9, 8, 7, 6]]))
+    small.observe("b", 20, np.array([6]), np.array([[9, 8, 7, 6]]))  # evicts a
+    assert small.get("a") is seed  # a starts from the seed again
     with pytest.raises(ValueError, match="k and context_slots"):
         RecycleStore(k=8, context_slots=SLOTS, seed=seed)
 

@@ -205,8 +205,8 @@ class RecycleDrafter(Drafter):
         if not isinstance(state.drafter, _State):
             state.drafter = _State(self.store.clock + 1)
         matrix = self.store.get(state.tenant)
-        if matrix is None or ctx.budget <= 0 or not len(ctx.tokens):
-            return DraftTree.empty()
+        if matrix is None or len(matrix.next) != self.vocab or ctx.budget <= 0 or not len(ctx.tokens):
+            return DraftTree.empty()  # none yet, or a seed of another vocabulary
         root = int(ctx.tokens[-1])
         if not 0 <= root < len(matrix.next):  # a token of logits wider than the vocabulary
             return DraftTree.empty()

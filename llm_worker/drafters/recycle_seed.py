@@ -12,7 +12,9 @@ tenants stay apart: each reads the seed and its own writes, never another's.
 
 The file: a compressed ``.npz`` of the one-token rows and the context table, and a JSON record
 (format, tokenizer fingerprint, vocabulary, k, slots, conversations and tokens read, the
-command's note). A seed of another tokenizer, vocabulary or shape is refused with the reason.
+command's note). A seed of another tokenizer, vocabulary or shape, or a file that is not one
+(corrupt, or with rows no target writes: tokens outside the vocabulary, a token twice in a row),
+is refused with the reason, before its arrays are decompressed where their headers already say so.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def seed_rows(
             continue
         with torch.inference_mode():
             logits = target.forward(target.start(), torch.tensor(ids), None, ArtifactNeeds()).logits
-        top = top_k_rows(logits[start:], k)
+        top = top_k_rows(logits[start:], min(k, logits.shape[-1]))
         texts = [tuple(ids[max(0, i - width + 1) : i + 1]) for i in range(start, len(ids))]
         update_matrix(matrix, np.array(ids[start:], dtype=np.int64), top, 0, texts)
         read += 1
@@ -111,34 +113,69 @@ def save_seed(path: str | Path, matrix: TenantMatrix, info: SeedInfo) -> None:
         )
 
 
-def load_seed(path: str | Path, tokenizer: str | None, k: int, slots: int) -> tuple[TenantMatrix, SeedInfo]:
+def _declared(data: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype an ``.npz`` member declares in its header, read before its data (a
+    crafted file cannot make the loader decompress more than it declares)."""
+    with data.open(f"{name}.npy") as member:
+        version = np.lib.format.read_magic(member)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+        else:
+            shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+    return tuple(shape), np.dtype(dtype)
+
+
+def load_seed(
+    path: str | Path, tokenizer: str | None, k: int, slots: int, vocab: int | None = None
+) -> tuple[TenantMatrix, SeedInfo]:
     """The rows and record of the seed at ``path``, checked against the worker's tokenizer
-    fingerprint (None: not checked), k and context slots; SeedError names what does not fit."""
+    fingerprint and vocabulary (None: not checked), k and context slots; SeedError names what
+    does not fit. The arrays are read-only: tenants copy them before writing."""
+    names = ("next", "context_key", "context_next")
+    dtypes = {name: np.dtype(np.uint64 if name == "context_key" else np.int32) for name in names}
     try:
-        with np.load(io.BytesIO(Path(path).read_bytes()), allow_pickle=False) as data:
-            info = SeedInfo(**json.loads(bytes(data["info"]).decode()))
-            arrays = {name: data[name] for name in ("next", "context_key", "context_next")}
-    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
-        raise SeedError(f"recycle seed {path}: not a readable seed ({exc})") from None
-    if info.format != SEED_FORMAT:
-        raise SeedError(f"recycle seed {path}: format {info.format}, this worker reads {SEED_FORMAT}")
-    if tokenizer is not None and info.tokenizer != tokenizer:
-        raise SeedError(f"recycle seed {path} was built with another tokenizer ({info.tokenizer[:12]}…)")
-    if (info.k, info.slots) != (k, slots):
-        raise SeedError(
-            f"recycle seed {path} has k={info.k}, {info.slots} slots; this worker keeps k={k}, {slots}"
-        )
-    shapes = {"next": (info.vocab, k), "context_key": (slots,), "context_next": (slots, k)}
-    dtypes = {"next": np.int32, "context_key": np.uint64, "context_next": np.int32}
-    for name, array in arrays.items():
-        if array.shape != shapes[name] or array.dtype != dtypes[name]:
-            raise SeedError(
-                f"recycle seed {path}: {name} is {array.dtype}{list(array.shape)}, not {shapes[name]}"
+        raw = Path(path).read_bytes()
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            declared = {name: _declared(archive, name) for name in names}
+        with np.load(io.BytesIO(raw), allow_pickle=False) as data:
+            fields = json.loads(bytes(data["info"]).decode())
+            info = SeedInfo(**fields)
+            checks = (
+                isinstance(info.tokenizer, str),
+                *(isinstance(v, int) and v >= 0 for v in (info.vocab, info.k, info.slots, info.format)),
             )
-    if (arrays["next"] < EMPTY).any() or (arrays["next"] >= info.vocab).any():
-        raise SeedError(f"recycle seed {path}: a row names a token outside the vocabulary")
-    if (arrays["context_next"] < EMPTY).any() or (arrays["context_next"] >= info.vocab).any():
-        raise SeedError(f"recycle seed {path}: a context row names a token outside the vocabulary")
+            if not all(checks):
+                raise SeedError(f"recycle seed {path}: a malformed record {fields}")
+            if info.format != SEED_FORMAT:
+                raise SeedError(f"recycle seed {path}: format {info.format}, this worker reads {SEED_FORMAT}")
+            if tokenizer is not None and info.tokenizer != tokenizer:
+                raise SeedError(
+                    f"recycle seed {path} was built with another tokenizer ({info.tokenizer[:12]})"
+                )
+            if vocab is not None and info.vocab != vocab:
+                raise SeedError(f"recycle seed {path} has a vocabulary of {info.vocab}, this model {vocab}")
+            if (info.k, info.slots) != (k, slots):
+                raise SeedError(
+                    f"recycle seed {path} has k={info.k}, {info.slots} slots; this worker keeps {k}, {slots}"
+                )
+            shapes = {"next": (info.vocab, k), "context_key": (slots,), "context_next": (slots, k)}
+            for name in names:  # before any array is decompressed
+                if declared[name] != (shapes[name], dtypes[name]):
+                    shape, dtype = declared[name]
+                    found, wanted = f"{dtype}{list(shape)}", list(shapes[name])
+                    raise SeedError(f"recycle seed {path}: {name} is {found}, not {wanted}")
+            arrays = {name: data[name] for name in names}
+    except SeedError:
+        raise
+    except Exception as exc:  # zip, zlib, header, JSON, record fields, memory: all "not a seed"
+        raise SeedError(f"recycle seed {path}: not a readable seed ({type(exc).__name__}: {exc})") from None
+    for name in ("next", "context_next"):
+        rows = arrays[name]
+        if (rows < EMPTY).any() or (rows >= info.vocab).any():
+            raise SeedError(f"recycle seed {path}: a row of {name} names a token outside the vocabulary")
+        ordered = np.sort(rows, axis=1)
+        if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != EMPTY)).any():
+            raise SeedError(f"recycle seed {path}: a row of {name} names a token twice")
     matrix = TenantMatrix(
         arrays["next"],
         np.where(arrays["next"][:, 0] != EMPTY, 0, -1).astype(np.int64),
@@ -146,4 +183,12 @@ def load_seed(path: str | Path, tokenizer: str | None, k: int, slots: int) -> tu
         arrays["context_next"],
         np.where(arrays["context_key"] != 0, 0, -1).astype(np.int64),
     )
+    for array in (
+        matrix.next,
+        matrix.written,
+        matrix.context_key,
+        matrix.context_next,
+        matrix.context_written,
+    ):
+        array.flags.writeable = False
     return matrix, info

@@ -14,13 +14,15 @@ the same three tokens are right for 35 %, and a chain grown from them reaches τ
 1.40 (docs/measurements/2026-11-27-recycle-context.md). A lookup takes the longest context that
 has a row, else the one-token row. The context rows live in a direct-mapped table of
 ``context_slots`` entries addressed by the context's tokens packed into one 64-bit key
-(``context_keys``): a newer context that lands on a taken slot replaces it (most recent wins, as
-for the one-token rows), and a key that differs is a miss, never another context's row.
+(``packed_keys``): a newer context that lands on a taken slot replaces it (most recent wins, as
+for the one-token rows), and a key that differs is a miss, never another context's row (but
+while one request of a tenant rewrites a slot that another of its requests reads: drafts only,
+verified, so at most a wasted node).
 
 The store lives as long as the worker (``DraftResources.recycling``) and is shared by every
 spelling of the mode. It keeps at most ``max_tenants`` matrices; a new tenant beyond that evicts
-the least recently used one, which later starts empty again: memory is bounded, and no request
-ever fails for it. One tenant never reads another's matrix.
+the least recently used one, which later starts again from empty rows (or the seed): memory is
+bounded, and no request ever fails for it. One tenant never reads another's matrix.
 
 Memory per tenant: vocab × (4k + 8) bytes, 1.97 MB at vocab 49 152 and k = 8, plus
 ``context_slots`` × (4k + 16) bytes, 3.1 MB at 65 536 slots.
@@ -48,7 +50,7 @@ RECYCLE_MAX_TENANTS = 16
 class TenantMatrix:
     next: np.ndarray  # [vocab, k] int32: the target's k likeliest tokens after each token, or EMPTY
     written: np.ndarray  # [vocab] int64: the store's clock when the row was last written, -1 = never
-    context_key: np.ndarray  # [slots] uint64: the context in each slot (``context_keys``), 0 = empty
+    context_key: np.ndarray  # [slots] uint64: the context in each slot (``packed_keys``), 0 = empty
     context_next: np.ndarray  # [slots, k] int32: that context's candidates
     context_written: np.ndarray  # [slots] int64: when the slot was written
 
@@ -63,14 +65,14 @@ class TenantMatrix:
         )
 
     def copy(self) -> TenantMatrix:
-        return TenantMatrix(*(a.copy() for a in self._arrays()))
+        return TenantMatrix(*(a.copy() for a in self.arrays()))
 
-    def _arrays(self) -> tuple[np.ndarray, ...]:
+    def arrays(self) -> tuple[np.ndarray, ...]:
         return (self.next, self.written, self.context_key, self.context_next, self.context_written)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._arrays())
+        return sum(a.nbytes for a in self.arrays())
 
     def row(self, context: Sequence[int]) -> tuple[np.ndarray, int, int]:
         """The candidates after ``context`` (token ids ending with one in the vocabulary, -1 before
@@ -85,7 +87,7 @@ class TenantMatrix:
         slots = self.context_key.shape[0]
         for order, key in reversed(packed_keys(context)):
             slot = slot_of(key, slots)
-            if self.context_key[slot] == key:
+            if int(self.context_key[slot]) == key:
                 return self.context_next[slot], order, int(self.context_written[slot])
         last = context[-1]
         return self.next[last], 1, int(self.written[last])
@@ -93,8 +95,8 @@ class TenantMatrix:
 
 TOKEN_BITS = 21
 """Bits per token of a context key: a context of up to three tokens is packed exactly into 63
-bits (token + 1 each, 0 = no token), for vocabularies below 2**21 - 1; a larger vocabulary keeps
-the one-token rows alone."""
+bits (token + 1 each, 0 = no token); a context holding a token id of 2**21 - 1 or more has no
+key (its one-token row answers)."""
 _FIBONACCI = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads packed keys over slots
 _MASK64 = (1 << 64) - 1
 _PACKABLE = (1 << TOKEN_BITS) - 1
@@ -167,11 +169,11 @@ def update_matrix(
             matrix.written[token] = clock
         for _, key in packed_keys(texts[i]) if texts is not None else ():
             slot = slot_of(key, slots)
-            matrix.context_key[slot] = key
             if width < k:
                 matrix.context_next[slot] = EMPTY
             matrix.context_next[slot, :width] = row
             matrix.context_written[slot] = clock
+            matrix.context_key[slot] = key
 
 
 class RecycleStore:
@@ -179,7 +181,8 @@ class RecycleStore:
     configuration, never a request's). ``k``: candidates kept per token; ``context_slots``:
     the size of each tenant's table of context rows (a power of two); ``seed``: rows every
     tenant starts from (``recycle_seed``: written from the operator's corpus, read by every
-    tenant, never written to: a tenant's first write makes it a copy of its own).
+    tenant, never written to: a tenant's first write makes it a copy of its own; an evicted
+    tenant starts from the seed again).
 
     Example: with ``max_tenants=2``, tenants a, b, then c: c's first write evicts a, whose
     next request drafts from an empty matrix.
