@@ -188,15 +188,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         await context.abort(code, shorten(message, MAX_ERROR_CHARS))
 
     @contextlib.asynccontextmanager
-    async def _observed(self, call: _Call) -> AsyncIterator[None]:
+    async def _observed(self, call: _Call, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Count the call under its status when it ends. A client that left is CANCELLED however
+        the handler learns it: cancelled at an await, or a failed send of the next message (grpc
+        raises its own error there, which would otherwise read as INTERNAL)."""
         try:
             yield
         except asyncio.CancelledError:
             call.status = "CANCELLED"
             raise
         except BaseException:
-            if call.status == "OK":
-                call.status = "INTERNAL"
+            if call.status == "OK":  # not an abort of ours (which set its own status)
+                call.status = "CANCELLED" if context.cancelled() else "INTERNAL"
             raise
         finally:
             self.metrics.observe_request(
@@ -286,7 +289,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
         call = _Call(request, "Generate")
-        async with self._observed(call):
+        async with self._observed(call, context):
             async for item, prompt_tokens in self._steps(request, context, call):
                 if isinstance(item, GenerationResult):
                     text = self.worker.text(item, request.stop)
@@ -299,7 +302,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         call = _Call(request, "GenerateStream")
         stream = TextStream(self.worker.decode, request.stop)
-        async with self._observed(call):
+        async with self._observed(call, context):
             async for item, prompt_tokens in self._steps(request, context, call):
                 if isinstance(item, StepOutput):
                     yield generation_pb2.GenerateChunk(
