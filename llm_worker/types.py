@@ -312,29 +312,19 @@ class ForwardCandidates:
         """The same rows with each row's first ``k`` candidates only."""
         return ForwardCandidates(self.inputs, self.parents, self.history, self.candidates[:, :k])
 
-    def contexts(self, width: int) -> np.ndarray:
-        """[rows, width]: the ``width`` tokens ending with each row's input along its path
-        (history, root, ancestors), -1 where the known text is shorter.
+    def contexts(self, width: int) -> list[tuple[int, ...]]:
+        """Each row's last ``width`` tokens along its path (history, root, ancestors), ending
+        with its input; shorter where the known text is (a forward has a few rows: a walk in
+        Python, where numpy's per-call cost would dominate).
 
-        Example (the class's): width 3 → [[.., 3, 4], [3, 4, 5], [3, 4, 6]].
+        Example (the class's, history [2, 3]): width 3 → [(2, 3, 4), (3, 4, 5), (3, 4, 6)].
         """
-        return path_contexts(self.history, self.inputs, self.parents, width)
-
-
-def path_contexts(history: np.ndarray, inputs: np.ndarray, parents: np.ndarray, width: int) -> np.ndarray:
-    """[rows, width]: the ``width`` tokens ending with ``inputs[i]`` along ``parents`` (row 0 the
-    root, whose predecessors are ``history``), -1 before the known start (``ForwardCandidates``)."""
-    history = history[len(history) - min(len(history), width - 1) :]
-    h = len(history)
-    text = np.concatenate([history.astype(np.int64), inputs.astype(np.int64)])
-    above = np.concatenate([np.arange(-1, h - 1), [h - 1], h + parents[1:]]).astype(np.int64)
-    keys = np.full((len(inputs), width), -1, dtype=np.int64)
-    at = np.arange(h, h + len(inputs))
-    for j in range(width - 1, -1, -1):
-        known = at >= 0
-        keys[known, j] = text[at[known]]
-        at = np.where(known, above[np.maximum(at, 0)], -1)
-    return keys
+        texts: list[tuple[int, ...]] = []
+        history = tuple(self.history.tolist())
+        for token, parent in zip(self.inputs.tolist(), self.parents.tolist(), strict=True):
+            above = texts[parent] if parent >= 0 else history
+            texts.append((*above[len(above) - min(len(above), width - 1) :], token))
+        return texts
 
 
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from llm_worker.drafters.recycle_store import (
     update_matrix,
 )
 from llm_worker.engine import GenerationRequest
-from llm_worker.types import NO_SOURCE, DraftTree, ForwardCandidates, path_contexts
+from llm_worker.types import NO_SOURCE, DraftTree, ForwardCandidates
 
 VOCAB = 12
 
@@ -266,7 +266,7 @@ def test_the_drafter_writes_each_rows_context_along_its_branch() -> None:
     drafter.observe_candidates(RequestState(), rows)
     matrix = store.get("")
     assert matrix is not None
-    for text, row in zip(rows.contexts(3).tolist(), ([0, 1], [2, 3], [4, 5]), strict=True):
+    for text, row in zip(map(list, rows.contexts(3)), ([0, 1], [2, 3], [4, 5]), strict=True):
         assert text in ([7, 8, 9], [8, 9, 5], [8, 9, 6])
         found, order, _ = matrix.row(text)
         assert (found.tolist(), order) == (row, 3)
@@ -277,10 +277,13 @@ def test_the_drafter_writes_each_rows_context_along_its_branch() -> None:
     history=st.lists(st.integers(0, 9), max_size=5),
     width=st.integers(1, 4),
 )
-def test_path_contexts_read_each_rows_branch(parents: list[int], history: list[int], width: int) -> None:
+def test_contexts_read_each_rows_branch(parents: list[int], history: list[int], width: int) -> None:
     parent_rows = [-1] + [min(p, i) for i, p in enumerate(parents)]  # row i + 1's parent: a row before it
     inputs = np.arange(100, 100 + len(parent_rows))
-    keys = path_contexts(np.array(history, dtype=np.int64), inputs, np.array(parent_rows), width)
+    rows = ForwardCandidates(
+        inputs, np.array(parent_rows), np.array(history, dtype=np.int64), np.zeros((0, 1))
+    )
+    keys = rows.contexts(width)
     for r in range(len(parent_rows)):
         text, at = [], r
         while at >= 0:
@@ -288,7 +291,7 @@ def test_path_contexts_read_each_rows_branch(parents: list[int], history: list[i
             at = parent_rows[at]
         text = history + text
         expected = [-1] * max(0, width - len(text)) + text[-width:]
-        assert keys[r].tolist() == expected[-width:]
+        assert [-1] * (width - len(keys[r])) + list(keys[r]) == expected[-width:]
 
 
 def propose(drafter: RecycleDrafter, tenant: str, tokens: list[int], budget: int = 16) -> DraftTree:

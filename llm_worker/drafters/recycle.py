@@ -48,8 +48,8 @@ RANK_ACCEPT = (0.7, 0.1, 0.05, 0.03, 0.02, 0.02, 0.02, 0.02)
 learns the real rates as it runs, by rank, context length and depth): the likeliest entry of a
 row read after the same three tokens was accepted 60-90 % of the time in a tuning run, of a
 one-token row 5-27 %. Chosen on 16 open-ended prompts of the corpus's training split (none of a
-benchmark's): this deep shape (rank 0 chained to the full depth) gave τ 1.27, the template of the
-measured one-token rates (0.21, 0.078, 0.032, 0.022, then 0.013), three levels deep, 1.19
+benchmark's): this deep shape (rank 0 chained to the full depth) gave τ 1.26-1.27, the template of
+the measured one-token rates (0.21, 0.078, 0.032, 0.022, then 0.013), three levels deep, 1.20
 (``docs/measurements/2026-11-27-recycle-context.md``)."""
 
 DEFAULT_NODES = 24
@@ -223,12 +223,8 @@ class RecycleDrafter(Drafter):
         return DraftTree(tuple(grown.tokens.tolist()), tuple(grown.parents.tolist()), (), tuple(features))
 
     def observe_candidates(self, state: RequestState, rows: ForwardCandidates) -> None:
-        before = max(CONTEXT_ORDERS) - 1
-        texts: list[tuple[int, ...]] = []  # each row's last tokens along its path (rows.contexts, in Python)
-        for token, parent in zip(rows.inputs.tolist(), rows.parents.tolist(), strict=True):
-            above = texts[parent] if parent >= 0 else tuple(rows.history.tolist())
-            texts.append((*above[len(above) - min(len(above), before) :], token))
-        self.store.observe(state.tenant, self.vocab, rows.inputs, rows.candidates, texts)
+        contexts = rows.contexts(max(CONTEXT_ORDERS))
+        self.store.observe(state.tenant, self.vocab, rows.inputs, rows.candidates, contexts)
 
 
 @DRAFTERS.register(
