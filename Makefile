@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard proto/specdraft/v1/*.proto) 
 	# The fused CPU kernels of the fast forward, compiled once for this machine (~30 s; without a
 	# compiler or AVX2 the forward uses torch operations instead).
 	-$(PY) -c 'import sys; from llm_worker.model.native import main; sys.exit(main())'
+	# The compiled sparse retrieval (datastore_svc/csrc, plain C, ~1 s; without a C compiler
+	# retrieval runs in numpy instead).
+	-$(PY) -c 'import sys; from datastore_svc.native import main; sys.exit(main())'
 	touch $@
 
 # System packages the integration tests start themselves (a real redis-server on a free port).

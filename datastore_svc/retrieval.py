@@ -20,11 +20,13 @@ Candidates from several shards merge by adding the counts of equal paths (``merg
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from datastore_svc import native
 from datastore_svc.suffix import SuffixIndex
 
 PAD = -1
@@ -89,11 +91,18 @@ NO_MATCH = Retrieval((), 0, 0, 0)
 
 
 def sample_range(lo: int, hi: int, n: int) -> np.ndarray:
-    """Up to n indices of [lo, hi), evenly spaced, in order."""
+    """Up to n indices of [lo, hi), evenly spaced, in order: the first and the last, and between
+    them ``lo + round(i · (hi - 1 - lo) / (n - 1))`` in integers (halves up), so the compiled
+    retrieval (``native``) picks the same. The spacing exceeds 1, so no index repeats.
+
+    Example: [0, 10), n 4 → [0, 3, 6, 9]; [0, 11), n 4 → [0, 3, 7, 10].
+    """
     if hi - lo <= n:
         return np.arange(lo, hi, dtype=np.int64)
-    # the spacing exceeds 1 and rounding moves a point by at most 1/2: no index repeats
-    return np.linspace(lo, hi - 1, n).round().astype(np.int64)
+    if n == 1:
+        return np.array([lo], dtype=np.int64)
+    i = np.arange(n, dtype=np.int64)
+    return lo + (i * (hi - 1 - lo) + (n - 1) // 2) // (n - 1)
 
 
 def continuation_matrix(tokens: np.ndarray, starts: np.ndarray, length: int, separator: int) -> np.ndarray:
@@ -169,7 +178,12 @@ def retrieve(
     doc_starts: np.ndarray | None = None,
     shard: int = 0,
 ) -> Retrieval:
-    """Candidates for continuing ``context`` from one shard (see the module docstring)."""
+    """Candidates for continuing ``context`` from one shard (see the module docstring); compiled
+    where the library loads (``native``), the same result."""
+    lib = native.library()
+    if lib is not None and native.fits(shape_of(cfg)):
+        raw = native.shards_candidates(lib, native.shard_table([(index, separator)]), context, shape_of(cfg))
+        return of_raw(raw, None if doc_starts is None else [(np.asarray(doc_starts).tolist(), shard)])
     c, lo, hi = index.longest_suffix_match(context, cfg.c_min, cfg.c_max, separator)
     if c == 0:
         return NO_MATCH
@@ -214,6 +228,31 @@ def _candidates(
     return Retrieval(tuple(candidates), c, occurrences, len(starts))
 
 
+def shape_of(cfg: RetrievalConfig) -> tuple[int, int, int, int, int, int]:
+    """``cfg`` as the compiled retrieval reads it (``native``)."""
+    return (cfg.c_min, cfg.c_max, cfg.max_occurrences, cfg.max_length, cfg.max_nodes, cfg.max_candidates)
+
+
+def of_raw(raw: native.RawCandidates, shards: Sequence[tuple[Sequence[int], int]] | None = None) -> Retrieval:
+    """The compiled retrieval's answer as the numpy steps give it; ``shards``: per shard asked,
+    its document starts (a list: ``bisect`` reads it without a numpy call) and its index, to
+    name each candidate's source (None: no sources)."""
+    if raw.match_length == 0:
+        return NO_MATCH
+    sources: list[Source | None] = [None] * len(raw.tokens)
+    if shards is not None:
+        sources = []
+        for start, position in zip(raw.starts, raw.shards, strict=True):
+            doc_starts, shard = shards[position]
+            doc = bisect.bisect_right(doc_starts, start) - 1
+            sources.append(Source(shard, doc, start - doc_starts[doc]))
+    candidates = tuple(
+        Candidate(tuple(tokens), tuple(counts), source)
+        for tokens, counts, source in zip(raw.tokens, raw.counts, sources, strict=True)
+    )
+    return Retrieval(candidates, raw.match_length, raw.occurrences, raw.sampled)
+
+
 def well_formed(candidates: Iterable[Candidate], max_length: int) -> tuple[Candidate, ...]:
     """The candidates a well-behaved datastore returns: not empty, at most ``max_length`` tokens,
     one count per token. What comes from a shard or another retriever is untrusted, and one bad
@@ -250,10 +289,11 @@ def merge(results: Sequence[Retrieval], max_nodes: int, max_candidates: int) -> 
                     sources[prefix] = source
         for path, n in seen.items():
             counts[path] = counts.get(path, 0) + n
+    # the top paths in plain Python (a few dozen: numpy's per-call cost between target forwards
+    # exceeds the work), ordered as select_nodes orders nodes: count down, shallower, first seen
     paths = list(counts)
-    count = np.fromiter(counts.values(), dtype=np.int64, count=len(paths))
-    depth = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
-    keep = [paths[i] for i in select_nodes(count, depth, max_nodes)]
+    ranked = sorted(range(len(paths)), key=lambda i: (-counts[paths[i]], len(paths[i]), i))
+    keep = [paths[i] for i in sorted(ranked[:max_nodes])]
     inner = {p[:-1] for p in keep}
     leaves = sorted((p for p in keep if p not in inner), key=lambda p: (-counts[p], p))
     candidates = tuple(
@@ -269,7 +309,11 @@ def context_retrieval(context: np.ndarray, separator: int, cfg: RetrievalConfig)
 
     The last token is left out of the index, so the suffix never matches itself.
     Example: context [1, 2, 3, 1, 2] → suffix [1, 2] occurred at 0, followed by [3, 1] (L = 2).
+    Compiled where the library loads (``native``), the same result.
     """
+    lib = native.library()
+    if lib is not None and native.fits(shape_of(cfg)):
+        return of_raw(native.context_candidates(lib, context, separator, shape_of(cfg)))
     body = np.asarray(context[:-1], dtype=np.int64)
     if len(body) == 0:
         return NO_MATCH

@@ -39,6 +39,7 @@ from typing import cast
 
 import numpy as np
 
+from datastore_svc import native
 from datastore_svc.corpus import read_documents
 from datastore_svc.dense import (
     NPY_HEADERS,
@@ -61,7 +62,7 @@ from datastore_svc.manifest import (
     check_manifest,
 )
 from datastore_svc.protocols import DenseAnswer, DenseDescription, RetrievalTimes, SparseAnswer
-from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, retrieve
+from datastore_svc.retrieval import Retrieval, RetrievalConfig, merge, of_raw, retrieve, shape_of
 from datastore_svc.suffix import SA_LIBRARY, SuffixIndex, token_dtype
 from specdraft.common import file_lock, fsync_path, fsync_tree, sha256_file, temp_sibling
 from specdraft.tokenizer import Tokenizer
@@ -556,6 +557,10 @@ class DatastoreVersion:
                         shard.dense.index = index_to_gpu(shard.dense.index, faiss_gpu)
                     except DenseError as exc:
                         raise DatastoreError(str(exc)) from None
+        self._table: np.ndarray | None = None
+        """[shards, 6] the shards' arrays for the compiled retrieval (``native.shard_table``)."""
+        self._docs: list[tuple[list[int], int]] = []
+        """Per shard, its document starts as a list and its index (``of_raw``'s sources)."""
         self.load_seconds = time.perf_counter() - t0
 
     @property
@@ -576,6 +581,15 @@ class DatastoreVersion:
         return str(self.manifest.get("dense", {}).get("model_fingerprint", ""))
 
     def retrieve(self, context: np.ndarray, cfg: RetrievalConfig) -> Retrieval:
+        """Every shard's candidates merged (``merge``); compiled in one call where the library
+        loads (``native``), the same result."""
+        lib = native.library()
+        if lib is not None and self.shards and native.fits(shape_of(cfg)):
+            if self._table is None:
+                self._table = native.shard_table([(s.suffixes, s.separator) for s in self.shards])
+                self._docs = [(s.docs.tolist(), s.index) for s in self.shards]
+            raw = native.shards_candidates(lib, self._table, context, shape_of(cfg))
+            return of_raw(raw, self._docs)
         results = [s.retrieve(context, cfg) for s in self.shards]
         return merge(results, cfg.max_nodes, cfg.max_candidates)
 

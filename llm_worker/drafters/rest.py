@@ -93,11 +93,16 @@ class RestDrafter(Drafter):
         shape: Callable[[Retrieval], Draft] = candidates_tree,
         fuse_separator: int | None = None,
         prefetch: bool | None = None,
+        sized: bool = False,
     ) -> None:
         """``fuse_separator``: also draft from the context itself (``fuse_context``), indexing it
-        with this separator (any id above the vocabulary); None = the datastore alone (REST)."""
+        with this separator (any id above the vocabulary); None = the datastore alone (REST).
+        ``sized``: keep the tree to what a step can afford (``affordable_nodes``), at most
+        ``cfg.max_nodes`` nodes and ``cfg.max_candidates`` candidates."""
         self.retriever = retriever
         self.cfg = cfg
+        self.sized = sized
+        self._shapes: dict[int, RetrievalConfig] = {}
         remote = retriever if isinstance(retriever, PrefetchingRetriever) else None
         if prefetch is None:  # not from shards on this host: they compute beside the forward
             prefetch = remote is not None and not remote.on_this_host
@@ -117,28 +122,41 @@ class RestDrafter(Drafter):
         self.shape = shape
         self.fuse_separator = fuse_separator
 
+    def shape_for(self, ctx: DraftContext) -> RetrievalConfig:
+        """This step's retrieval shape: ``cfg``, or where ``sized``, its node and candidate caps
+        cut to ``affordable_nodes`` under the step's verify prices."""
+        if not self.sized or ctx.verify_seconds is None:
+            return self.cfg
+        nodes = affordable_nodes(ctx.verify_seconds, self.cfg.max_nodes)
+        shape = self._shapes.get(nodes)
+        if shape is None:
+            candidates = min(self.cfg.max_candidates, max(1, nodes // 2))
+            shape = self._shapes[nodes] = replace(self.cfg, max_nodes=nodes, max_candidates=candidates)
+        return shape
+
     def retrieve(self, ctx: DraftContext) -> Retrieval | None:
         pinned = ctx.request_state.datastore_version
-        context = ctx.tokens[-self.cfg.c_max :]
+        cfg = self.shape_for(ctx)
+        context = ctx.tokens[-cfg.c_max :]
         result: Retrieval | None = None
         try:
             if self.prefetcher is not None:
                 answer = self._prefetched(self.prefetcher, ctx, context, pinned)
             else:
-                answer = self.retriever.retrieve(context, self.cfg, pinned)
+                answer = self.retriever.retrieve(context, cfg, pinned)
         except Exception as exc:  # a datastore problem costs drafts, never the generation
             log.warning("datastore retrieval failed, drafting from the context alone: %s", exc)
         else:
             result, version = answer
             if version and not pinned:
                 ctx.request_state.datastore_version = version
-            result = _without_malformed(result, self.cfg.max_length) if result is not None else None
+            result = _without_malformed(result, cfg.max_length) if result is not None else None
         if self.fuse_separator is None:
             return result
-        own = context_retrieval(ctx.tokens, self.fuse_separator, self.cfg)
+        own = context_retrieval(ctx.tokens, self.fuse_separator, cfg)
         if result is None:
             return own
-        return fuse_context(result, own, self.cfg.max_nodes, self.cfg.max_candidates)
+        return fuse_context(result, own, cfg.max_nodes, cfg.max_candidates)
 
     def _prefetched(
         self, prefetcher: PrefetchingRetriever, ctx: DraftContext, context: np.ndarray, pinned: str
@@ -180,6 +198,27 @@ class RestDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         result = self.retrieve(ctx)
         return self.shape(result) if result is not None else DraftTree.empty()
+
+
+AFFORDABLE_PRICE = 2.0
+"""A tree is kept to nodes whose verify forward costs at most this many plain steps."""
+
+
+def affordable_nodes(verify_seconds: Callable[[int], float], most: int) -> int:
+    """The most draft nodes worth retrieving: ``most``, halved while verifying that many costs
+    more than ``AFFORDABLE_PRICE`` plain steps (``verify_seconds(n)``: a forward of the root and
+    n draft tokens). The planner then keeps what pays of them; retrieving more costs merging,
+    features and planning for nodes it never keeps, and on a CPU whose forward grows with its
+    rows it keeps few (about 3 a step of 47 proposed, 2026-11-28 log). On a 2-core Xeon
+    t(8) = 1.8 plain steps, t(16) = 3.0 → 8; on a GPU, where 64 rows cost about one step, 64.
+
+    Example: prices t(n) = 10 + n ms, most 64 → 64 (74 > 20), 32, 16, 8 (18 ≤ 20) → 8.
+    """
+    base = verify_seconds(0)
+    nodes = most
+    while nodes > 1 and verify_seconds(nodes) > AFFORDABLE_PRICE * base:
+        nodes //= 2
+    return nodes
 
 
 class _PrefetchState(DrafterState):
@@ -280,6 +319,7 @@ def _make_rest(target: TargetModel, options: dict[str, str], resources: DraftRes
         retrieval_config(options),
         fuse_separator=_fuse_separator(target, options),
         prefetch=_prefetch(options),
+        sized="nodes" not in options,
     )
 
 
@@ -295,4 +335,5 @@ def _make_rest_batch(target: TargetModel, options: dict[str, str], resources: Dr
         candidates_batch,
         _fuse_separator(target, options),
         _prefetch(options),
+        sized="nodes" not in options,
     )

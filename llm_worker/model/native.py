@@ -35,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from specdraft.common import Progress, cache_root, file_lock
+from specdraft.common import Progress, file_lock, native_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,6 @@ runtime, the one torch loaded."""
 
 _loaded: dict[str, ModuleType | None] = {}
 _active: ModuleType | None = None  # the kernels ``load`` loaded last (``loaded``)
-
-
-def native_dir() -> Path:
-    """``$SPECDRAFT_NATIVE_DIR``, else ``cache_root()/native``."""
-    env = os.environ.get("SPECDRAFT_NATIVE_DIR")
-    return Path(env) if env else cache_root() / "native"
 
 
 def unavailable_reason(build: bool = True) -> str | None:

@@ -1,0 +1,212 @@
+"""The compiled sparse retrieval (datastore_svc/native.py, csrc/retrieval.c) against the numpy
+steps it replaces (datastore_svc/retrieval.py, themselves checked against brute force in
+test_retrieval.py): the same candidates, counts, match, sampling and sources, for one shard,
+several merged, and the context; and the fallback where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datastore_svc import native
+from datastore_svc.retrieval import RetrievalConfig, context_retrieval, retrieve
+from datastore_svc.store import DatastoreVersion, Shard
+from datastore_svc.suffix import SuffixIndex
+
+T = TypeVar("T")
+
+pytestmark = pytest.mark.skipif(
+    native.library() is None, reason="the compiled retrieval could not be built here"
+)
+
+
+Both = Callable[..., tuple[object, object]]
+
+
+@pytest.fixture
+def both() -> Iterator[Both]:
+    """``both(f, *args)``: f's answer compiled, and with the compiled retrieval turned off (the
+    numpy steps)."""
+    lib = native.library()
+
+    def run(f: Callable[..., T], *args: object) -> tuple[T, T]:
+        compiled = f(*args)
+        native._state["lib"] = None
+        try:
+            return compiled, f(*args)
+        finally:
+            native._state["lib"] = lib
+
+    yield run
+    native._state["lib"] = lib
+
+
+def corpus(rng: np.random.Generator, vocab: int, docs: int) -> np.ndarray:
+    parts = []
+    for _ in range(docs):
+        parts += [rng.integers(0, vocab, size=int(rng.integers(1, 50))), [vocab]]
+    return np.concatenate(parts).astype(np.int32)
+
+
+def document_starts(tokens: np.ndarray, separator: int) -> np.ndarray:
+    return np.flatnonzero(np.r_[True, tokens[:-1] == separator]).astype(np.int64)
+
+
+def random_config(rng: np.random.Generator) -> RetrievalConfig:
+    return RetrievalConfig(
+        c_min=int(rng.integers(1, 3)),
+        c_max=int(rng.integers(3, 9)),
+        max_occurrences=int(rng.integers(1, 40)),
+        max_length=int(rng.integers(1, 8)),
+        max_nodes=int(rng.integers(1, 30)),
+        max_candidates=int(rng.integers(1, 10)),
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_shard_equals_numpy(seed: int, both: Both) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        vocab = int(rng.integers(2, 8))
+        tokens = corpus(rng, vocab, int(rng.integers(1, 10)))
+        idx, docs, cfg = SuffixIndex.build(tokens, vocab), document_starts(tokens, vocab), random_config(rng)
+        context = rng.integers(0, vocab + 1, size=int(rng.integers(1, 30)))  # the separator too, now and then
+
+        compiled, reference = both(retrieve, idx, vocab, context, cfg, docs, 2)
+        assert compiled == reference
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_several_shards_merge_as_numpy(seed: int, both: Both) -> None:
+    """One compiled call over every shard of a version gives what merging the shards' numpy
+    answers gives (``retrieval.merge``), sources included."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(100):
+        vocab = int(rng.integers(2, 8))
+        shards = []
+        for position in range(int(rng.integers(1, 4))):
+            tokens = corpus(rng, vocab, int(rng.integers(1, 8)))
+            shards.append(
+                Shard(position + 3, SuffixIndex.build(tokens, vocab), document_starts(tokens, vocab), vocab)
+            )
+        version = DatastoreVersion.__new__(DatastoreVersion)
+        version.shards, version._table, version._docs = shards, None, []
+        cfg = random_config(rng)
+        context = rng.integers(0, vocab, size=int(rng.integers(1, 30)))
+
+        compiled, reference = both(version.retrieve, context, cfg)
+        assert compiled == reference
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=80),
+    st.integers(1, 3),
+    st.integers(1, 8),
+    st.integers(1, 30),
+    st.integers(1, 6),
+    st.integers(1, 20),
+)
+def test_context_retrieval_equals_numpy(
+    context: list[int], c_min: int, c_max: int, n: int, length: int, nodes: int
+) -> None:
+    cfg = RetrievalConfig(
+        c_min=min(c_min, c_max),
+        c_max=c_max,
+        max_occurrences=n,
+        max_length=length,
+        max_nodes=nodes,
+        max_candidates=5,
+    )
+    tokens = np.array(context, dtype=np.int64)
+    compiled = context_retrieval(tokens, 5, cfg)
+    lib = native.library()
+    native._state["lib"] = None
+    try:
+        assert compiled == context_retrieval(tokens, 5, cfg)
+    finally:
+        native._state["lib"] = lib
+
+
+def test_real_tokens_with_the_default_shape(both: Both) -> None:
+    """A 49 152-token vocabulary (2-byte tokens, the first-token table) and REST's own shape."""
+    rng = np.random.default_rng(3)
+    vocab = 49_152
+    words = rng.integers(0, vocab, size=300)
+    tokens = np.concatenate(
+        [np.append(words[rng.integers(0, 300, size=int(rng.integers(5, 80)))], vocab) for _ in range(400)]
+    ).astype(np.int32)
+    idx, docs = SuffixIndex.build(tokens, vocab), document_starts(tokens, vocab)
+    for cfg in (RetrievalConfig(), RetrievalConfig(max_nodes=8, max_candidates=4)):
+        for start in rng.integers(0, len(tokens) - 20, size=60):
+            context = tokens[start : start + int(rng.integers(1, 20))].astype(np.int64)
+
+            compiled, reference = both(retrieve, idx, vocab, context, cfg, docs, 0)
+            assert compiled == reference
+            compiled, reference = both(context_retrieval, context, vocab, cfg)
+            assert compiled == reference
+
+
+def test_first_token_table_is_each_tokens_range_of_the_suffix_array() -> None:
+    tokens = np.array([5, 6, 5, 7, 8, 2, 5, 8], dtype=np.int32)  # 8: the separator
+    idx = SuffixIndex.build(tokens, 8)
+    starts = idx.first_token_starts(8)
+    first = tokens[idx.positions(np.arange(len(tokens)))]
+    for t in range(8):
+        assert (first[starts[t] : starts[t + 1]] == t).all()
+        assert starts[t + 1] - starts[t] == int((tokens == t).sum())
+    assert idx.native_row(8)[5] != 0  # the table is passed
+    assert idx.native_row(2**21)[5] == 0  # too large a vocabulary: no table, whole-array search
+
+
+def test_shapes_beyond_the_compiled_bounds_run_in_numpy(
+    both: Both,
+) -> None:
+    """A shard server may be asked for up to 1 024 context tokens or 256-token continuations."""
+    rng = np.random.default_rng(5)
+    tokens = corpus(rng, 3, 20)
+    idx = SuffixIndex.build(tokens, 3)
+    context = rng.integers(0, 3, size=200)
+    for cfg in (RetrievalConfig(c_max=100), RetrievalConfig(max_length=200, max_occurrences=100)):
+        assert not native.fits((cfg.c_min, cfg.c_max, cfg.max_occurrences, cfg.max_length, 1, 1))
+
+        compiled, reference = both(retrieve, idx, 3, context, cfg)
+        assert compiled == reference
+        compiled, reference = both(context_retrieval, context, 3, cfg)
+        assert compiled == reference
+
+
+def test_turned_off_or_without_a_compiler_retrieval_runs_in_numpy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("SPECDRAFT_NATIVE_DIR", str(tmp_path / "native"))
+    monkeypatch.setenv("SPECDRAFT_NATIVE", "0")
+    assert native._load() is None
+    monkeypatch.setenv("SPECDRAFT_NATIVE", "1")
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with caplog.at_level(logging.WARNING):
+        assert native._load() is None
+    assert "no C compiler" in caplog.text
+    assert not list((tmp_path / "native").rglob("*.so"))
+
+
+def test_a_failed_build_leaves_no_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that fails (here: one that rejects every file) writes nothing a later process
+    would load; a working one then builds it whole."""
+    monkeypatch.setenv("SPECDRAFT_NATIVE_DIR", str(tmp_path / "native"))
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'error: simulated' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    assert native._load() is None
+    assert not [p for p in (tmp_path / "native").rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    monkeypatch.delenv("CC")
+    lib = native._load()
+    assert lib is not None and (tmp_path / "native" / native.build_name() / "libretrieval.so").is_file()
