@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import time
@@ -513,6 +514,41 @@ def open_shard(path: Path, manifest: Manifest, index: int, verify: bool = True, 
     return Shard(index, SuffixIndex(tokens, sa), arrays["docs"], separator, dense_index)
 
 
+HUGE_PAGE_BYTES = 2 << 20
+RESIDENT_MAX_BYTES = 1 << 30
+"""A version whose shards' tokens and suffix arrays take at most this many bytes in all is
+searched from a copy on huge pages (``resident_copy``); a larger one from its memory map."""
+
+
+def huge_pages_offered() -> bool:
+    """Whether the kernel backs an anonymous mapping with transparent huge pages on request."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and ("[always]" in mode or "[madvise]" in mode)
+
+
+def resident_copy(array: np.ndarray) -> np.ndarray:
+    """``array`` copied into an anonymous mapping that asks for transparent huge pages.
+
+    A suffix-array search is a chain of dependent reads at random places of two arrays, and once
+    a target forward has streamed its weights through the caches every read of a 4 KiB-page
+    memory map also misses the TLB: after a forward, one in-process sparse retrieval took 327 µs
+    from the memory-mapped files and 203 µs from huge-page copies (2-core Xeon KVM guest, 4.7 M
+    tokens in 2 shards). The copy takes the arrays' size in private memory."""
+    size = array.nbytes + HUGE_PAGE_BYTES
+    size += -size % HUGE_PAGE_BYTES
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(region, dtype=np.uint8)
+    skip = -raw.__array_interface__["data"][0] % HUGE_PAGE_BYTES  # start on a huge-page boundary
+    copy = raw[skip : skip + array.nbytes].view(array.dtype)
+    copy[:] = array
+    copy.flags.writeable = False
+    return copy
+
+
 class DatastoreVersion:
     """A version opened for retrieval: all its shards (in process) or some (a shard server)."""
 
@@ -557,6 +593,14 @@ class DatastoreVersion:
                         shard.dense.index = index_to_gpu(shard.dense.index, faiss_gpu)
                     except DenseError as exc:
                         raise DatastoreError(str(exc)) from None
+        sparse_bytes = sum(s.suffixes.tokens.nbytes + s.suffixes.sa.nbytes for s in self.shards)
+        self.resident = sparse_bytes <= RESIDENT_MAX_BYTES and huge_pages_offered()
+        """Whether the shards are searched from huge-page copies (``resident_copy``)."""
+        if self.resident:
+            for shard in self.shards:
+                shard.suffixes = SuffixIndex(
+                    resident_copy(shard.suffixes.tokens), resident_copy(shard.suffixes.sa)
+                )
         self._table: np.ndarray | None = None
         """[shards, 6] the shards' arrays for the compiled retrieval (``native.shard_table``)."""
         self._docs: list[tuple[list[int], int]] = []

@@ -222,3 +222,28 @@ def test_corrupt_or_foreign_manifests_are_refused(version: Path) -> None:
 def test_another_tokenizer_is_refused(version: Path) -> None:
     with pytest.raises(DatastoreError, match="another tokenizer"):
         DatastoreVersion(version, tokenizer_fingerprint="0123456789abcdef")
+
+
+def test_a_small_version_is_searched_from_huge_page_copies(
+    tokenizer: Any, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel offers transparent huge pages, the shards' arrays are copied whole
+    (read-only) and every retrieval answers as from the memory map."""
+    build(corpus, tokenizer, tmp_path / "v1", shards=2, progress=False)
+    copy = store.resident_copy(np.arange(10, dtype=">u2"))
+    assert copy.tolist() == list(range(10)) and copy.dtype == np.dtype(">u2") and not copy.flags.writeable
+    monkeypatch.setattr(store, "huge_pages_offered", lambda: True)
+    resident = DatastoreVersion(tmp_path / "v1")
+    monkeypatch.setattr(store, "RESIDENT_MAX_BYTES", 0)
+    mapped = DatastoreVersion(tmp_path / "v1")
+    assert resident.resident and not mapped.resident
+    for a, b in zip(resident.shards, mapped.shards, strict=True):
+        assert np.array_equal(a.suffixes.sa, b.suffixes.sa) and np.array_equal(a.tokens, b.tokens)
+        assert not isinstance(a.suffixes.sa.base, np.memmap) and not a.suffixes.sa.flags.writeable
+    ids = np.array(
+        tokenizer("The module provides functions to encode JSON data", add_special_tokens=False)["input_ids"]
+    )
+    for end in range(1, len(ids) + 1):
+        assert resident.retrieve(ids[:end], RetrievalConfig()) == mapped.retrieve(
+            ids[:end], RetrievalConfig()
+        )
