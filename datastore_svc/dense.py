@@ -19,6 +19,7 @@ document, so it gets no key); a query nearest to p = 1 with next token 7 drafts 
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import io
 import math
@@ -89,9 +90,25 @@ class DenseStats:
             raise DenseError(
                 f"hidden state of size {h.shape[-1]}; these statistics expect {self.hidden_size}"
             )
-        y = ((h - self.mean) / self.std) @ self.components.T + self.offset
+        weight, bias = self._folded()
+        y = h @ weight + bias
+        if y.ndim == 1:  # one query (a decode step): few numpy calls, each costly between forwards
+            return (y / max(math.sqrt(float(y @ y)), 1e-12)).astype(np.float32, copy=False)
         norm = np.linalg.norm(y, axis=-1, keepdims=True)
         return (y / np.maximum(norm, 1e-12)).astype(np.float32)
+
+    def _folded(self) -> tuple[np.ndarray, np.ndarray]:
+        """The z-score folded into the projection, once: y = h · W + b with W = (A / std)ᵀ
+        [hidden, dims] and b = offset − A · (mean / std) [dims], in float32."""
+        folded = self.__dict__.get("_weight_bias")
+        if folded is None:
+            scaled = np.asarray(self.components, dtype=np.float64) / np.asarray(self.std, dtype=np.float64)
+            bias = np.asarray(self.offset, dtype=np.float64) - scaled @ np.asarray(
+                self.mean, dtype=np.float64
+            )
+            folded = (np.ascontiguousarray(scaled.T, dtype=np.float32), bias.astype(np.float32))
+            object.__setattr__(self, "_weight_bias", folded)
+        return folded
 
     def to_bytes(self) -> bytes:
         """A self-describing binary form (``.npz``), for the manifest, Redis and ShardInfo."""
@@ -421,25 +438,33 @@ NO_DENSE = DenseRetrieval((), 0, 0)
 def drafts_from_hits(
     tokens: np.ndarray,
     separator: int,
-    positions: np.ndarray,
-    scores: np.ndarray,
+    positions: np.ndarray | list[int],
+    scores: np.ndarray | list[float],
     next_token: int,
     cfg: DenseConfig,
     doc_starts: np.ndarray | None = None,
     shard: int = 0,
 ) -> DenseRetrieval:
-    """Drafts from the search hits (``positions``: key positions best first, -1 = no hit)."""
-    ok = positions >= 0
-    positions, scores = positions[ok], scores[ok]
+    """Drafts from the search hits (``positions``: key positions best first, -1 = no hit).
+
+    A hit is read token by token in plain Python: between two target forwards each distinct
+    numpy operation costs tens of microseconds however small, and the few hits whose next token
+    matches are all that is read after it."""
+    positions = positions.tolist() if isinstance(positions, np.ndarray) else positions
+    scores = scores.tolist() if isinstance(scores, np.ndarray) else scores
     n = len(tokens)
-    nxt = np.asarray(tokens[np.minimum(positions + 1, n - 1)], dtype=np.int64)
-    keep = (positions + 1 < n) & (nxt == next_token)
-    positions, scores = positions[keep], scores[keep]
+    searched = matched = 0
     by_draft: dict[tuple[int, ...], list[Any]] = {}
-    for p, s in zip(positions.tolist(), scores.tolist(), strict=True):
-        window = np.asarray(tokens[p + 2 : p + 2 + cfg.max_length], dtype=np.int64)
-        ends = np.flatnonzero(window >= separator)
-        draft = tuple(window[: ends[0] if len(ends) else len(window)].tolist())
+    for p, s in zip(positions, scores, strict=True):
+        if p < 0:
+            continue
+        searched += 1
+        if p + 1 >= n or int(tokens[p + 1]) != next_token:
+            continue
+        matched += 1
+        window = tokens[p + 2 : p + 2 + cfg.max_length].tolist()
+        end = next((j for j, t in enumerate(window) if t >= separator), len(window))
+        draft = tuple(window[:end])
         if not draft:
             continue
         entry = by_draft.get(draft)
@@ -452,10 +477,10 @@ def drafts_from_hits(
     for draft, (score, count, start) in best:
         source = None
         if doc_starts is not None and len(doc_starts):
-            doc = int(np.searchsorted(doc_starts, start, side="right") - 1)
+            doc = bisect.bisect_right(doc_starts, start) - 1
             source = DenseSource(shard, doc, start - int(doc_starts[doc]))
         candidates.append(DenseCandidate(draft, float(score), count, source))
-    return DenseRetrieval(tuple(candidates), int(ok.sum()), len(positions))
+    return DenseRetrieval(tuple(candidates), searched, matched)
 
 
 def merge_dense(results: Sequence[DenseRetrieval], max_candidates: int) -> DenseRetrieval:
@@ -498,6 +523,16 @@ class DenseIndex:
         positions = np.where(rows >= 0, self.positions[np.maximum(rows, 0)], -1)
         return scores, positions
 
+    def search_one(self, query: np.ndarray, k: int) -> tuple[list[float], list[int]]:
+        """``search`` for one query [dims], as lists (scores, token positions; -1 = none)."""
+        q = np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1)
+        if q.shape[1] != self.dims:
+            raise DenseError(f"query of {q.shape[1]} dimensions; this index has {self.dims}")
+        k = max(1, min(k, max(int(self.index.ntotal), 1)))
+        scores, rows = self.index.search(q, k)
+        positions = self.positions
+        return scores[0].tolist(), [int(positions[r]) if r >= 0 else -1 for r in rows[0].tolist()]
+
     def keys(self) -> np.ndarray:
         """[n, dims] float32: every key, decoded from the index (for exact search and recall)."""
         return self.index.reconstruct_n(0, self.index.ntotal)
@@ -516,5 +551,5 @@ def dense_retrieve(
     """Search ``query`` [dims], keep keys followed by ``next_token``, read the drafts after it."""
     if dense.index.ntotal == 0:
         return NO_DENSE
-    scores, positions = dense.search(query, cfg.top_k)
-    return drafts_from_hits(tokens, separator, positions[0], scores[0], next_token, cfg, doc_starts, shard)
+    scores, positions = dense.search_one(query, cfg.top_k)
+    return drafts_from_hits(tokens, separator, positions, scores, next_token, cfg, doc_starts, shard)
