@@ -237,6 +237,18 @@ def context_candidates(
     return buffers.result(several=False)
 
 
+def describe() -> str:
+    """Whether the compiled retrieval can run here, without building it (``specdraft --version``)."""
+    if os.environ.get("SPECDRAFT_NATIVE", "1") == "0":
+        return "no: turned off by SPECDRAFT_NATIVE=0 (numpy)"
+    library = native_dir() / build_name() / "libretrieval.so"
+    if library.is_file():
+        return f"yes (built in {library.parent})"
+    if _compiler() is None:
+        return "no: no C compiler (cc) on PATH (numpy)"
+    return "yes (compiled on first use, about a second)"
+
+
 def main() -> int:
     """Build the library now (``make setup``, container images): prints its path, or why it
     cannot be built here (exit 1)."""

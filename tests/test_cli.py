@@ -339,9 +339,10 @@ def test_version_names_the_package_torch_transformers_and_the_kernels(
         main(["--version"])
     assert exit_info.value.code == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == ["specdraft", "torch", "transformers", "native"]
+    assert [line.split()[0] for line in lines] == ["specdraft", "torch", "transformers", "native", "compiled"]
     assert lines[1] == f"torch {torch.__version__}"
     assert lines[3].startswith(("native kernels: yes", "native kernels: no: "))
+    assert lines[4].startswith(("compiled retrieval: yes", "compiled retrieval: no: "))
 
 
 def test_a_mistyped_mode_is_refused_before_the_model_loads() -> None:

@@ -210,3 +210,12 @@ def test_a_failed_build_leaves_no_library(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.delenv("CC")
     lib = native._load()
     assert lib is not None and (tmp_path / "native" / native.build_name() / "libretrieval.so").is_file()
+
+
+def test_describe_says_whether_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDRAFT_NATIVE_DIR", str(tmp_path))
+    assert native.describe() == "yes (compiled on first use, about a second)"
+    monkeypatch.setenv("CC", "no-such-compiler")
+    assert native.describe().startswith("no: no C compiler")
+    monkeypatch.setenv("SPECDRAFT_NATIVE", "0")
+    assert native.describe().startswith("no: turned off")

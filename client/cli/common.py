@@ -44,6 +44,7 @@ class VersionAction(argparse.Action):
         torch 2.13.0+cpu
         transformers 5.23.0
         native kernels: yes (built in /root/.cache/specdraft/native/specdraft_fused_718a6c36f6fc)
+        compiled retrieval: yes (built in /root/.cache/specdraft/native/specdraft_retrieval_29c905cf1ea3)
     """
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
@@ -52,10 +53,12 @@ class VersionAction(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
         from importlib.metadata import version
 
+        from datastore_svc import native as retrieval_native
         from llm_worker.model import native
 
         lines = [f"specdraft {version('specdraft')}", f"torch {version('torch')}"]
         lines += [f"transformers {version('transformers')}", f"native kernels: {native.describe()}"]
+        lines += [f"compiled retrieval: {retrieval_native.describe()}"]
         sys.stdout.write("\n".join(lines) + "\n")
         parser.exit(0)
 
