@@ -407,3 +407,19 @@ def test_greedy_on_the_real_model_equals_ar(real_model) -> None:
         assert_greedy_identical(target, prompt, ref, res.token_ids, f"recycle/{text}")
         accepted += res.stats.accepted_tokens
     assert accepted > 0
+
+
+def test_recycle_sizes_its_template_unless_nodes_is_given() -> None:
+    """Without ``nodes``, a step grows the template its verify prices afford (24 halved while a
+    tree that size costs over two plain steps); with it, the template asked for."""
+    target = tiny_target("llama")
+    tokens = np.arange(1, 8, dtype=np.int64)
+    ctx = DraftContext(tokens, 64, request_state=RequestState(), verify_seconds=lambda n: 10.0 + n)
+    sized = DRAFTERS.create("recycle", target)
+    assert isinstance(sized, RecycleDrafter)
+    assert len(sized.template_for(ctx).rank) == 6  # 34, 22 ms > 20; 16 ≤ 20
+    assert sized.template_for(ctx) is sized.template_for(ctx)  # made once per size
+    assert sized.template_for(DraftContext(tokens, 64)) is sized.template  # no prices: as configured
+    fixed = DRAFTERS.create("recycle:nodes=24", target)
+    assert isinstance(fixed, RecycleDrafter) and fixed.template_for(ctx) is fixed.template
+    assert len(fixed.template.rank) == 24

@@ -421,6 +421,28 @@ def _make_ar(target: TargetModel, options: dict[str, str], resources: DraftResou
     return NoDrafter()
 
 
+AFFORDABLE_PRICE = 2.0
+"""A tree is kept to nodes whose verify forward costs at most this many plain steps."""
+
+
+def affordable_nodes(verify_seconds: Callable[[int], float], most: int) -> int:
+    """The most draft nodes worth retrieving: ``most``, halved while verifying that many costs
+    more than ``AFFORDABLE_PRICE`` plain steps (``verify_seconds(n)``: a forward of the root and
+    n draft tokens). The planner then keeps what pays of them; retrieving more costs merging,
+    features and planning for nodes it never keeps, and on a CPU whose forward grows with its
+    rows it keeps few (``rest``: about 3 a step of 47 proposed, 2026-11-28 log). On a 2-core
+    Xeon t(8) = 1.8 plain steps, t(16) = 3.0 → 8 of 64; on a GPU, where 64 rows cost about one
+    step, 64.
+
+    Example: prices t(n) = 10 + n ms, most 64 → 64 (74 > 20), 32, 16, 8 (18 ≤ 20) → 8.
+    """
+    base = verify_seconds(0)
+    nodes = most
+    while nodes > 1 and verify_seconds(nodes) > AFFORDABLE_PRICE * base:
+        nodes //= 2
+    return nodes
+
+
 def int_option(options: dict[str, str], key: str, default: int, lo: int, hi: int) -> int:
     """``options[key]`` as an integer in [lo, hi] (``UnknownModeError`` otherwise), or ``default``."""
     raw = options.get(key)

@@ -25,6 +25,7 @@ Example: row 7 = [3, 9], row 3 = [5, 2], row 9 = [4, 1]; root 7 with template
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,6 +38,7 @@ from llm_worker.drafters.base import (
     DrafterState,
     DraftResources,
     RequestState,
+    affordable_nodes,
     int_option,
 )
 from llm_worker.drafters.recycle_store import CONTEXT_ORDERS, EMPTY, RecycleStore, TenantMatrix
@@ -188,10 +190,20 @@ class RecycleDrafter(Drafter):
     """Drafts from ``store``'s matrix of the request's tenant along ``template``; feeds the
     matrix from every verify forward (``observe_candidates``)."""
 
-    def __init__(self, store: RecycleStore, vocab: int, template: TreeTemplate) -> None:
+    def __init__(
+        self,
+        store: RecycleStore,
+        vocab: int,
+        template: TreeTemplate,
+        sized: Callable[[int], TreeTemplate] | None = None,
+    ) -> None:
+        """``sized``: the template of at most n nodes, for a step whose verify prices afford
+        fewer nodes than ``template`` has (``affordable_nodes``); None = ``template`` always."""
         self.store = store
         self.vocab = vocab
         self.template = template
+        self.sized = sized
+        self._sized: dict[int, TreeTemplate] = {}
         self.candidates = store.k
         self._features = {
             (o, r, new): f"tr:o{o}:r{r}:{'new' if new else 'old'}"
@@ -210,17 +222,29 @@ class RecycleDrafter(Drafter):
         root = int(ctx.tokens[-1])
         if not 0 <= root < len(matrix.next):  # a token of logits wider than the vocabulary
             return DraftTree.empty()
-        grown = expand(matrix, ctx.tokens[-max(CONTEXT_ORDERS) :], self.template, ctx.budget)
+        template = self.template_for(ctx)
+        grown = expand(matrix, ctx.tokens[-max(CONTEXT_ORDERS) :], template, ctx.budget)
         if not len(grown.tokens):
             return DraftTree.empty()
         new = grown.written >= state.drafter.since
         features = [
             self._features[o, r, n]
             for o, r, n in zip(
-                grown.order.tolist(), self.template.rank[grown.kept].tolist(), new.tolist(), strict=True
+                grown.order.tolist(), template.rank[grown.kept].tolist(), new.tolist(), strict=True
             )
         ]
         return DraftTree(tuple(grown.tokens.tolist()), tuple(grown.parents.tolist()), (), tuple(features))
+
+    def template_for(self, ctx: DraftContext) -> TreeTemplate:
+        """This step's template: ``template``, or where ``sized``, the one of the nodes the step's
+        verify prices afford (``affordable_nodes``; made once per size)."""
+        if self.sized is None or ctx.verify_seconds is None:
+            return self.template
+        nodes = affordable_nodes(ctx.verify_seconds, len(self.template.rank))
+        template = self._sized.get(nodes)
+        if template is None:
+            template = self._sized[nodes] = self.sized(nodes)
+        return template
 
     def observe_candidates(self, state: RequestState, rows: ForwardCandidates) -> None:
         contexts = rows.contexts(max(CONTEXT_ORDERS))
@@ -236,5 +260,11 @@ def _make_recycle(target: TargetModel, options: dict[str, str], resources: Draft
     nodes = int_option(options, "nodes", DEFAULT_NODES, 1, 256)
     depth = int_option(options, "depth", DEFAULT_DEPTH, 1, 16)
     store = resources.recycling
-    template = TreeTemplate.from_paths(best_paths(RANK_ACCEPT[: store.k], nodes, depth))
-    return RecycleDrafter(store, target.info.vocab_size, template)
+
+    def template(n: int) -> TreeTemplate:
+        return TreeTemplate.from_paths(best_paths(RANK_ACCEPT[: store.k], n, depth))
+
+    # without nodes=, the tree a step's verify prices afford (rest does the same)
+    return RecycleDrafter(
+        store, target.info.vocab_size, template(nodes), None if "nodes" in options else template
+    )
