@@ -515,20 +515,21 @@ class DenseIndex:
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores, token positions) [n, k] of the k nearest keys of each query; -1 = none."""
-        q = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
-        if q.shape[1] != self.dims:
-            raise DenseError(f"query of {q.shape[1]} dimensions; this index has {self.dims}")
-        k = max(1, min(k, max(int(self.index.ntotal), 1)))
+        q, k = self._checked(np.atleast_2d(queries), k)
         scores, rows = self.index.search(q, k)
         positions = np.where(rows >= 0, self.positions[np.maximum(rows, 0)], -1)
         return scores, positions
 
-    def search_one(self, query: np.ndarray, k: int) -> tuple[list[float], list[int]]:
-        """``search`` for one query [dims], as lists (scores, token positions; -1 = none)."""
-        q = np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1)
+    def _checked(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+        """[n, dims] contiguous float32 queries of this index's width, and k within its keys."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.shape[1] != self.dims:
             raise DenseError(f"query of {q.shape[1]} dimensions; this index has {self.dims}")
-        k = max(1, min(k, max(int(self.index.ntotal), 1)))
+        return q, max(1, min(k, max(int(self.index.ntotal), 1)))
+
+    def search_one(self, query: np.ndarray, k: int) -> tuple[list[float], list[int]]:
+        """``search`` for one query [dims], as lists (scores, token positions; -1 = none)."""
+        q, k = self._checked(np.reshape(query, (1, -1)), k)
         scores, rows = self.index.search(q, k)
         positions = self.positions
         return scores[0].tolist(), [int(positions[r]) if r >= 0 else -1 for r in rows[0].tolist()]

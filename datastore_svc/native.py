@@ -52,6 +52,10 @@ def build_name() -> str:
     return f"specdraft_retrieval_{digest}"
 
 
+def _library_path() -> Path:
+    return native_dir() / build_name() / "libretrieval.so"
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
@@ -80,7 +84,7 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("SPECDRAFT_NATIVE", "1") == "0":
         log.info("compiled retrieval turned off by SPECDRAFT_NATIVE=0: retrieval runs in numpy")
         return None
-    library = native_dir() / build_name() / "libretrieval.so"
+    library = _library_path()
     try:
         if not library.is_file():
             library.parent.mkdir(parents=True, exist_ok=True)
@@ -241,7 +245,7 @@ def describe() -> str:
     """Whether the compiled retrieval can run here, without building it (``specdraft --version``)."""
     if os.environ.get("SPECDRAFT_NATIVE", "1") == "0":
         return "no: turned off by SPECDRAFT_NATIVE=0 (numpy)"
-    library = native_dir() / build_name() / "libretrieval.so"
+    library = _library_path()
     if library.is_file():
         return f"yes (built in {library.parent})"
     if _compiler() is None:

@@ -183,7 +183,7 @@ def retrieve(
     lib = native.library()
     if lib is not None and native.fits(shape_of(cfg)):
         raw = native.shards_candidates(lib, native.shard_table([(index, separator)]), context, shape_of(cfg))
-        return of_raw(raw, None if doc_starts is None else [(np.asarray(doc_starts).tolist(), shard)])
+        return of_raw(raw, None if doc_starts is None else [(doc_starts, shard)])
     c, lo, hi = index.longest_suffix_match(context, cfg.c_min, cfg.c_max, separator)
     if c == 0:
         return NO_MATCH
@@ -233,10 +233,13 @@ def shape_of(cfg: RetrievalConfig) -> tuple[int, int, int, int, int, int]:
     return (cfg.c_min, cfg.c_max, cfg.max_occurrences, cfg.max_length, cfg.max_nodes, cfg.max_candidates)
 
 
-def of_raw(raw: native.RawCandidates, shards: Sequence[tuple[Sequence[int], int]] | None = None) -> Retrieval:
+def of_raw(
+    raw: native.RawCandidates, shards: Sequence[tuple[Sequence[int] | np.ndarray, int]] | None = None
+) -> Retrieval:
     """The compiled retrieval's answer as the numpy steps give it; ``shards``: per shard asked,
-    its document starts (a list: ``bisect`` reads it without a numpy call) and its index, to
-    name each candidate's source (None: no sources)."""
+    its document starts and its index, to name each candidate's source (None: no sources). The
+    starts are searched by ``bisect``, a list (``DatastoreVersion`` keeps one) without any numpy
+    call, an array as it is, without copying it per retrieval."""
     if raw.match_length == 0:
         return NO_MATCH
     sources: list[Source | None] = [None] * len(raw.tokens)
@@ -245,7 +248,7 @@ def of_raw(raw: native.RawCandidates, shards: Sequence[tuple[Sequence[int], int]
         for start, position in zip(raw.starts, raw.shards, strict=True):
             doc_starts, shard = shards[position]
             doc = bisect.bisect_right(doc_starts, start) - 1
-            sources.append(Source(shard, doc, start - doc_starts[doc]))
+            sources.append(Source(shard, doc, start - int(doc_starts[doc])))
     candidates = tuple(
         Candidate(tuple(tokens), tuple(counts), source)
         for tokens, counts, source in zip(raw.tokens, raw.counts, sources, strict=True)
