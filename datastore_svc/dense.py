@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from datastore_svc.manifest import DenseStatsEntry
+from datastore_svc.native import RawDense
 
 INDEX_KINDS = ("auto", "flat", "hnsw", "ivf", "ivfpq")
 FLAT_MAX_KEYS = 50_000
@@ -483,6 +484,22 @@ def drafts_from_hits(
     return DenseRetrieval(tuple(candidates), searched, matched)
 
 
+def of_raw_dense(raw: RawDense, shards: Sequence[tuple[Sequence[int], int]]) -> DenseRetrieval:
+    """The compiled dense search's answer (``native.dense_candidates``) as ``dense_retrieve`` and
+    ``merge_dense`` give it; ``shards``: per shard asked, its document starts and its index."""
+    candidates = []
+    for tokens, count, score, start, position in zip(
+        raw.tokens, raw.counts, raw.scores, raw.starts, raw.shards, strict=True
+    ):
+        doc_starts, shard = shards[position]
+        source = None
+        if len(doc_starts):
+            doc = bisect.bisect_right(doc_starts, start) - 1
+            source = DenseSource(shard, doc, start - int(doc_starts[doc]))
+        candidates.append(DenseCandidate(tuple(tokens), score, count, source))
+    return DenseRetrieval(tuple(candidates), raw.searched, raw.matched)
+
+
 def merge_dense(results: Sequence[DenseRetrieval], max_candidates: int) -> DenseRetrieval:
     """One result from several shards': equal drafts merge (best score, counts add), best first."""
     if len(results) == 1:
@@ -533,6 +550,63 @@ class DenseIndex:
         scores, rows = self.index.search(q, k)
         positions = self.positions
         return scores[0].tolist(), [int(positions[r]) if r >= 0 else -1 for r in rows[0].tolist()]
+
+    def native_row(self) -> tuple[int, ...] | None:
+        """What the compiled dense search (``native.dense_candidates``) reads of this index:
+        (lists, dims, residual keys, probes, centroids, list sizes, list codes, list rows,
+        positions, position width; arrays as addresses), or None where it cannot search it: an
+        index other than inverted lists of half-precision keys by inner product in this
+        process's memory (flat, HNSW, PQ, a GPU index), or one without keys.
+
+        The addresses are FAISS's own arrays (no copy): the index is never changed once loaded,
+        and this object holds it and the small arrays of addresses made here."""
+        cached = self.__dict__.get("_native_row", False)
+        if cached is not False:
+            return cached  # type: ignore[no-any-return]
+        row = self._make_native_row()
+        self.__dict__["_native_row"] = row
+        return row
+
+    def _make_native_row(self) -> tuple[int, ...] | None:
+        import faiss
+
+        index = faiss.downcast_index(self.index)
+        if (
+            not isinstance(index, faiss.IndexIVFScalarQuantizer)
+            or index.sq.qtype != faiss.ScalarQuantizer.QT_fp16
+            or index.metric_type != faiss.METRIC_INNER_PRODUCT
+            or index.ntotal == 0
+            or index.invlists is None
+        ):
+            return None
+        lists = faiss.downcast_InvertedLists(index.invlists)
+        quantizer = faiss.downcast_index(index.quantizer)
+        if not isinstance(lists, faiss.ArrayInvertedLists) or not isinstance(quantizer, faiss.IndexFlat):
+            return None
+        nlist, dims = int(index.nlist), int(index.d)
+        sizes = np.array([lists.list_size(i) for i in range(nlist)], dtype=np.int64)
+        codes = np.zeros(nlist, dtype=np.int64)
+        rows = np.zeros(nlist, dtype=np.int64)
+        for i in np.flatnonzero(sizes).tolist():
+            codes[i] = faiss.rev_swig_ptr(lists.get_codes(i), int(sizes[i]) * dims * 2).ctypes.data
+            rows[i] = faiss.rev_swig_ptr(lists.get_ids(i), int(sizes[i])).ctypes.data
+        centroids = faiss.rev_swig_ptr(quantizer.get_xb(), nlist * dims)
+        positions = self.positions
+        if positions.dtype not in (np.int32, np.int64) or not positions.flags.c_contiguous:
+            positions = np.ascontiguousarray(positions, dtype=np.int64)
+        self.__dict__["_native_arrays"] = (sizes, codes, rows, centroids, positions)  # kept alive
+        return (
+            nlist,
+            dims,
+            int(bool(index.by_residual)),
+            int(index.nprobe),
+            int(centroids.ctypes.data),
+            int(sizes.ctypes.data),
+            int(codes.ctypes.data),
+            int(rows.ctypes.data),
+            int(positions.ctypes.data),
+            int(positions.itemsize),
+        )
 
     def keys(self) -> np.ndarray:
         """[n, dims] float32: every key, decoded from the index (for exact search and recall)."""

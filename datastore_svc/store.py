@@ -52,6 +52,7 @@ from datastore_svc.dense import (
     dense_retrieve,
     index_to_gpu,
     merge_dense,
+    of_raw_dense,
 )
 from datastore_svc.manifest import (
     BuildInfo,
@@ -605,6 +606,10 @@ class DatastoreVersion:
         """[shards, 6] the shards' arrays for the compiled retrieval (``native.shard_table``)."""
         self._docs: list[tuple[list[int], int]] = []
         """Per shard, its document starts as a list and its index (``of_raw``'s sources)."""
+        self._dense_table: np.ndarray | None = None
+        """[shards, DENSE_ROW] the dense indexes' arrays for the compiled search (None where it
+        cannot run), made on first use (``_dense_native``)."""
+        self._dense_asked = False
         self.load_seconds = time.perf_counter() - t0
 
     @property
@@ -630,7 +635,7 @@ class DatastoreVersion:
         lib = native.library()
         if lib is not None and self.shards and native.fits(shape_of(cfg)):
             if self._table is None:  # the docs first: a thread that sees the table sees them
-                self._docs = [(s.docs.tolist(), s.index) for s in self.shards]
+                self._shard_docs()
                 self._table = native.shard_table([(s.suffixes, s.separator) for s in self.shards])
             raw = native.shards_candidates(lib, self._table, context, shape_of(cfg))
             return of_raw(raw, self._docs)
@@ -638,8 +643,40 @@ class DatastoreVersion:
         return merge(results, cfg.max_nodes, cfg.max_candidates)
 
     def retrieve_dense(self, query: np.ndarray, next_token: int, cfg: DenseConfig) -> DenseRetrieval:
+        """Every shard's dense drafts merged (``merge_dense``); compiled in one call where the
+        library loads and every shard's index is one it searches (``DenseIndex.native_row``),
+        else FAISS per shard. The two agree but for keys whose scores differ by rounding."""
+        lib = native.library()
+        if lib is not None and native.dense_fits(cfg.top_k, cfg.max_candidates, cfg.max_length):
+            table = self._dense_native()
+            if table is not None:
+                raw = native.dense_candidates(
+                    lib, table, query, next_token, (cfg.top_k, cfg.max_candidates, cfg.max_length)
+                )
+                return of_raw_dense(raw, self._shard_docs())
         results = [s.retrieve_dense(query, next_token, cfg) for s in self.shards]
         return merge_dense(results, cfg.max_candidates)
+
+    def _shard_docs(self) -> list[tuple[list[int], int]]:
+        if not self._docs:
+            self._docs = [(s.docs.tolist(), s.index) for s in self.shards]
+        return self._docs
+
+    def _dense_native(self) -> np.ndarray | None:
+        """[shards, DENSE_ROW] for the compiled dense search, made once (None: it cannot run)."""
+        if not self._dense_asked:
+            rows: list[tuple[int, ...]] = []
+            for shard in self.shards:
+                row = shard.dense.native_row() if shard.dense is not None else None
+                if row is None:
+                    rows = []
+                    break
+                tokens, num_tokens, width, _, separator, _ = shard.suffixes.native_row(shard.separator)
+                rows.append((*row, tokens, num_tokens, width, separator))
+            self._shard_docs()  # the docs first: a thread that sees the table sees them
+            self._dense_table = native.dense_table(rows) if rows else None
+            self._dense_asked = True
+        return self._dense_table
 
 
 class LocalRetriever:

@@ -1,7 +1,8 @@
-"""The compiled sparse retrieval (datastore_svc/native.py, csrc/retrieval.c) against the numpy
-steps it replaces (datastore_svc/retrieval.py, themselves checked against brute force in
-test_retrieval.py): the same candidates, counts, match, sampling and sources, for one shard,
-several merged, and the context; and the fallback where it cannot be built."""
+"""The compiled retrieval (datastore_svc/native.py, csrc/retrieval.c) against the steps it
+replaces: sparse against the numpy steps (datastore_svc/retrieval.py, themselves checked against
+brute force in test_retrieval.py): the same candidates, counts, match, sampling and sources, for
+one shard, several merged, and the context; dense against FAISS and ``drafts_from_hits`` /
+``merge_dense`` (datastore_svc/dense.py); and the fallback where it cannot be built."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datastore_svc import native
+from datastore_svc.dense import DenseConfig, DenseIndex, IndexParams, build_faiss_index
 from datastore_svc.retrieval import RetrievalConfig, context_retrieval, retrieve
 from datastore_svc.store import DatastoreVersion, Shard
 from datastore_svc.suffix import SuffixIndex
@@ -219,3 +221,89 @@ def test_describe_says_whether_it_runs(tmp_path: Path, monkeypatch: pytest.Monke
     assert native.describe().startswith("no: no C compiler")
     monkeypatch.setenv("SPECDRAFT_NATIVE", "0")
     assert native.describe().startswith("no: turned off")
+
+
+def dense_version(
+    rng: np.random.Generator, dims: int, kind: str = "ivf", tiny: float = 0.0
+) -> DatastoreVersion:
+    """A version of 1-3 shards over a 5-token vocabulary (many keys share a next token), each with
+    a FAISS index of random unit keys (``tiny``: that share of components near 1e-6, half-precision
+    subnormals), read back from disk as a worker loads it."""
+    import faiss
+
+    vocab, shards = 5, []
+    for position in range(int(rng.integers(1, 4))):
+        tokens = corpus(rng, vocab, int(rng.integers(30, 80)))
+        keyed = np.flatnonzero((tokens[:-1] < vocab) & (np.r_[tokens[1:-1], vocab] < vocab))
+        keys = rng.normal(size=(len(keyed), dims)).astype(np.float32)
+        keys[rng.random(keys.shape) < tiny] = 1e-6
+        keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+        params = IndexParams(ivf_lists=int(rng.integers(1, 12)), ivf_probe=int(rng.integers(1, 6)))
+        index = faiss.deserialize_index(faiss.serialize_index(build_faiss_index(keys, kind, params)))
+        shard = Shard(position + 2, SuffixIndex.build(tokens, vocab), document_starts(tokens, vocab), vocab)
+        shard.dense = DenseIndex(index, keyed.astype(np.int32), params)
+        shards.append(shard)
+    version = DatastoreVersion.__new__(DatastoreVersion)
+    version.shards, version._table, version._docs = shards, None, []
+    version._dense_table, version._dense_asked = None, False
+    return version
+
+
+def well_separated(version: DatastoreVersion, query: np.ndarray, k: int) -> bool:
+    """Whether FAISS's choice for ``query`` is unambiguous: no two of the scores that decide it
+    (the probed lists', the kept keys') within rounding of each other, so any correct search
+    keeps the same keys in the same order."""
+    import faiss
+
+    for shard in version.shards:
+        assert shard.dense is not None
+        ivf = faiss.extract_index_ivf(shard.dense.index)
+        lists, _ = ivf.quantizer.search(query[None], min(ivf.nprobe + 1, ivf.nlist))
+        keys, _ = shard.dense.index.search(query[None], k + 1)
+        for scores in (lists[0], keys[0][keys[0] > -1e30]):
+            if len(scores) > 1 and np.min(np.abs(np.diff(scores))) < 1e-4:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_search_equals_faiss_and_the_python_drafts(seed: int, both: Both) -> None:
+    """One compiled call over every shard's inverted lists gives what FAISS's search per shard,
+    ``drafts_from_hits`` and ``merge_dense`` give: drafts, counts, sources, searched and matched
+    keys, scores to rounding. Dimensions not a multiple of 8 (the vectorised loop's tail) and
+    half-precision subnormal components included."""
+    rng = np.random.default_rng(200 + seed)
+    compared = 0
+    for _ in range(12):
+        dims = int(rng.choice([8, 12, 64]))
+        version = dense_version(rng, dims, tiny=0.1 * (seed % 2))
+        assert version._dense_native() is not None
+        for _ in range(25):
+            query = rng.normal(size=dims).astype(np.float32)
+            query /= np.linalg.norm(query)
+            cfg = DenseConfig(int(rng.integers(1, 40)), int(rng.integers(1, 6)), int(rng.integers(1, 9)))
+            if not well_separated(version, query, cfg.top_k):
+                continue
+            compiled, reference = both(version.retrieve_dense, query, int(rng.integers(0, 5)), cfg)
+            assert (compiled.searched, compiled.matched) == (reference.searched, reference.matched)
+            assert [(c.tokens, c.count, c.source) for c in compiled.candidates] == [
+                (c.tokens, c.count, c.source) for c in reference.candidates
+            ]
+            assert [c.score for c in compiled.candidates] == pytest.approx(
+                [c.score for c in reference.candidates], abs=1e-5
+            )
+            compared += 1
+    assert compared > 100  # most queries are unambiguous
+
+
+def test_dense_indexes_it_cannot_search_run_in_faiss(both: Both) -> None:
+    """Flat and HNSW indexes (and shapes beyond its bounds) are searched by FAISS, as before."""
+    rng = np.random.default_rng(9)
+    for kind in ("flat", "hnsw"):
+        version = dense_version(rng, 8, kind)
+        assert version._dense_native() is None
+        query = np.full(8, 8**-0.5, dtype=np.float32)
+        compiled, reference = both(version.retrieve_dense, query, 1, DenseConfig(16, 3, 4))
+        assert compiled == reference
+    assert not native.dense_fits(5000, 3, 10) and not native.dense_fits(64, 3, 200)
+    assert native.dense_fits(64, 3, 10)

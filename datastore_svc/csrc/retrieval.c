@@ -1,5 +1,7 @@
 /* REST's sparse retrieval in one call: a shard's suffix-array match, or a scan of the context,
- * then the continuations' trie and its most frequent prefixes (datastore_svc/native.py).
+ * then the continuations' trie and its most frequent prefixes (datastore_svc/native.py). At the
+ * end of the file, DReSD's dense retrieval in one call: every shard's inverted lists searched and
+ * the drafts after the hits read and merged (sd_dense_candidates).
  *
  * The same steps as datastore_svc/retrieval.py, which stays the reference (tests compare the
  * two on random corpora): between two target forwards, the numpy version's two dozen small
@@ -546,6 +548,354 @@ done:
     free(sorted);
     free(row_starts);
     free(sorted_starts);
+    free(order);
+    return rc;
+}
+
+/* ---- dense retrieval (DReSD): an IVF search of half-precision keys, then the drafts ---- */
+
+/* The same steps as datastore_svc/dense.py's dense_retrieve, drafts_from_hits and merge_dense
+ * over FAISS's own arrays (an IndexIVFScalarQuantizer of fp16 keys, inner product): the nprobe
+ * lists whose centroids score highest, every key in them scored (the centroid's score added when
+ * the keys are residuals), the top_k kept (ties: the lower key row), then the hits whose next
+ * token is the verified one read as drafts. */
+
+typedef struct {
+    int64_t nlist, dims, by_residual, nprobe;
+    const float *centroids;   /* [nlist, dims] */
+    const int64_t *sizes;     /* [nlist] keys per list */
+    const int64_t *codes;     /* [nlist] addresses of uint16 [size, dims]: IEEE half keys */
+    const int64_t *ids;       /* [nlist] addresses of int64 [size]: each key's row */
+    const uint8_t *positions; /* [keys] int32 or int64 (position_width bytes): a key's token position */
+    int64_t position_width;
+    const uint8_t *text; /* the shard's tokens, big-endian, as ShardArrays */
+    int64_t num_tokens, width, separator;
+} DenseShard;
+
+#define DENSE_ROW 14
+
+static DenseShard dense_shard_of(const int64_t *a) {
+    return (DenseShard){a[0], a[1], a[2], a[3],
+                        (const float *)(intptr_t)a[4], (const int64_t *)(intptr_t)a[5],
+                        (const int64_t *)(intptr_t)a[6], (const int64_t *)(intptr_t)a[7],
+                        (const uint8_t *)(intptr_t)a[8], a[9],
+                        (const uint8_t *)(intptr_t)a[10], a[11], a[12], a[13]};
+}
+
+static float half_to_float(uint16_t h) {
+    /* the exponent rebased by a multiply: exact for normal and subnormal halves alike */
+    uint32_t bits = (uint32_t)(h & 0x7fff) << 13, sign = (uint32_t)(h & 0x8000) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    f *= 0x1p112f;
+    memcpy(&bits, &f, sizeof f);
+    bits |= sign;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static float dot_half(const float *q, const uint16_t *key, int64_t dims) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* eight partial sums: the compiler vectorises them */
+    int64_t j = 0;
+    for (; j + 8 <= dims; j += 8)
+        for (int u = 0; u < 8; u++) acc[u] += q[j + u] * half_to_float(key[j + u]);
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < dims; j++) s += q[j] * half_to_float(key[j]);
+    return s;
+}
+
+static float dot_float(const float *q, const float *x, int64_t dims) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= dims; j += 8)
+        for (int u = 0; u < 8; u++) acc[u] += q[j + u] * x[j + u];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < dims; j++) s += q[j] * x[j];
+    return s;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_X86_DISPATCH 1
+
+__attribute__((target("avx2,fma,f16c"))) static float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma,f16c"))) static float dot_half_avx2(const float *q, const uint16_t *key,
+                                                                    int64_t dims) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= dims; j += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(key + j))), acc);
+    float s = hsum256(acc);
+    for (; j < dims; j++) s += q[j] * half_to_float(key[j]);
+    return s;
+}
+
+__attribute__((target("avx2,fma,f16c"))) static float dot_float_avx2(const float *q, const float *x, int64_t dims) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= dims; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(x + j), acc);
+    float s = hsum256(acc);
+    for (; j < dims; j++) s += q[j] * x[j];
+    return s;
+}
+#endif
+
+typedef float (*DotHalf)(const float *, const uint16_t *, int64_t);
+typedef float (*DotFloat)(const float *, const float *, int64_t);
+
+/* The dot products this CPU runs fastest: AVX2 with FMA and F16C where it has them. */
+static void pick_dots(DotHalf *half, DotFloat *full) {
+    *half = dot_half;
+    *full = dot_float;
+#ifdef HAVE_X86_DISPATCH
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+        *half = dot_half_avx2;
+        *full = dot_float_avx2;
+    }
+#endif
+}
+
+/* The k best (score, id) seen: a heap whose root is the worst kept (lower score, or equal score
+ * and higher id). */
+typedef struct {
+    float *score;
+    int64_t *id;
+    int64_t size, k;
+} Best;
+
+static int worse(float s, int64_t i, float t, int64_t j) { return s < t || (s == t && i > j); }
+
+static void best_offer(Best *b, float s, int64_t id) {
+    int64_t at;
+    if (b->size < b->k) {
+        at = b->size++;
+        while (at > 0) { /* up */
+            int64_t up = (at - 1) / 2;
+            if (!worse(s, id, b->score[up], b->id[up])) break;
+            b->score[at] = b->score[up];
+            b->id[at] = b->id[up];
+            at = up;
+        }
+    } else {
+        if (b->k == 0 || !worse(b->score[0], b->id[0], s, id)) return;
+        at = 0;
+        for (;;) { /* down */
+            int64_t l = 2 * at + 1, r = l + 1, w = at;
+            float ws = s;
+            int64_t wi = id;
+            if (l < b->size && worse(b->score[l], b->id[l], ws, wi)) w = l, ws = b->score[l], wi = b->id[l];
+            if (r < b->size && worse(b->score[r], b->id[r], ws, wi)) w = r;
+            if (w == at) break;
+            b->score[at] = b->score[w];
+            b->id[at] = b->id[w];
+            at = w;
+        }
+    }
+    b->score[at] = s;
+    b->id[at] = id;
+}
+
+static _Thread_local const Best *tl_best;
+
+static int by_best(const void *a, const void *b) { /* score down, then id up */
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    const Best *h = tl_best;
+    if (h->score[x] != h->score[y]) return h->score[x] > h->score[y] ? -1 : 1;
+    return (h->id[x] > h->id[y]) - (h->id[x] < h->id[y]);
+}
+
+typedef struct {
+    int64_t max_candidates, length, next_token, top_k;
+} DenseConfig;
+
+/* Drafts kept so far: tokens [capacity, length], and per draft its length, score, count, start
+ * position and shard (position in the table). */
+typedef struct {
+    int32_t *tokens, *lengths, *counts;
+    float *score;
+    int64_t *starts, *shards;
+    int64_t size, capacity, length;
+} Drafts;
+
+static Drafts drafts_alloc(int64_t capacity, int64_t length) {
+    size_t n = (size_t)capacity + 1;
+    return (Drafts){malloc(sizeof(int32_t) * n * (size_t)length), malloc(sizeof(int32_t) * n),
+                    malloc(sizeof(int32_t) * n), malloc(sizeof(float) * n), malloc(sizeof(int64_t) * n),
+                    malloc(sizeof(int64_t) * n), 0, capacity, length};
+}
+
+static int drafts_ok(const Drafts *d) {
+    return d->tokens && d->lengths && d->counts && d->score && d->starts && d->shards;
+}
+
+static void drafts_free(Drafts *d) {
+    free(d->tokens);
+    free(d->lengths);
+    free(d->counts);
+    free(d->score);
+    free(d->starts);
+    free(d->shards);
+}
+
+static int64_t find_draft(const Drafts *d, const int32_t *draft, int64_t n) {
+    for (int64_t i = 0; i < d->size; i++) {
+        if (d->lengths[i] == n && memcmp(d->tokens + i * d->length, draft, sizeof(int32_t) * (size_t)n) == 0)
+            return i;
+    }
+    return -1;
+}
+
+static void add_draft(Drafts *d, const int32_t *draft, int64_t n, float score, int32_t count, int64_t start,
+                      int64_t shard) {
+    int64_t i = d->size++;
+    memcpy(d->tokens + i * d->length, draft, sizeof(int32_t) * (size_t)n);
+    d->lengths[i] = (int32_t)n;
+    d->score[i] = score;
+    d->counts[i] = count;
+    d->starts[i] = start;
+    d->shards[i] = shard;
+}
+
+static int64_t key_position(const DenseShard *s, int64_t row) {
+    const uint8_t *p = s->positions + row * s->position_width;
+    if (s->position_width == 4) {
+        int32_t v;
+        memcpy(&v, p, sizeof v);
+        return v;
+    }
+    int64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* One shard: search, then its drafts (the first max_candidates distinct ones by score, each with
+ * the count of every hit that drafted it) appended to out. searched/matched as drafts_from_hits. */
+static int dense_shard(const DenseShard *s, int64_t shard, const float *query, const DenseConfig *cfg,
+                       Drafts *out, int64_t *searched, int64_t *matched) {
+    int64_t probes = s->nprobe < s->nlist ? s->nprobe : s->nlist;
+    Best lists = {malloc(sizeof(float) * (size_t)(probes + 1)), malloc(sizeof(int64_t) * (size_t)(probes + 1)), 0,
+                  probes};
+    Best keys = {malloc(sizeof(float) * (size_t)(cfg->top_k + 1)),
+                 malloc(sizeof(int64_t) * (size_t)(cfg->top_k + 1)), 0, cfg->top_k};
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(cfg->top_k + 1));
+    int32_t *draft = malloc(sizeof(int32_t) * (size_t)(cfg->length + 1));
+    int rc = -1;
+    if (!lists.score || !lists.id || !keys.score || !keys.id || !order || !draft) goto done;
+    DotHalf dot_key;
+    DotFloat dot_centroid;
+    pick_dots(&dot_key, &dot_centroid);
+    for (int64_t l = 0; l < s->nlist; l++) best_offer(&lists, dot_centroid(query, s->centroids + l * s->dims, s->dims), l);
+    for (int64_t p = 0; p < lists.size; p++) {
+        int64_t l = lists.id[p];
+        float base = s->by_residual ? lists.score[p] : 0.0f;
+        const uint16_t *code = (const uint16_t *)(intptr_t)s->codes[l];
+        const int64_t *ids = (const int64_t *)(intptr_t)s->ids[l];
+        for (int64_t i = 0; i < s->sizes[l]; i++) best_offer(&keys, base + dot_key(query, code + i * s->dims, s->dims), ids[i]);
+    }
+    for (int64_t i = 0; i < keys.size; i++) order[i] = i;
+    tl_best = &keys;
+    qsort(order, (size_t)keys.size, sizeof(int64_t), by_best);
+    int64_t first = out->size; /* this shard's drafts start here */
+    for (int64_t h = 0; h < keys.size; h++) {
+        int64_t p = key_position(s, keys.id[order[h]]);
+        if (p < 0) continue;
+        (*searched)++;
+        if (p + 1 >= s->num_tokens || token_at(s->text, s->width, p + 1) != cfg->next_token) continue;
+        (*matched)++;
+        int64_t n = 0;
+        while (n < cfg->length && p + 2 + n < s->num_tokens) {
+            int64_t t = token_at(s->text, s->width, p + 2 + n);
+            if (t >= s->separator) break;
+            draft[n++] = (int32_t)t;
+        }
+        if (n == 0) continue;
+        Drafts mine = *out; /* this shard's part only: another shard's equal draft is merged later */
+        mine.tokens += first * out->length;
+        mine.lengths += first;
+        mine.size = out->size - first;
+        int64_t seen = find_draft(&mine, draft, n);
+        if (seen >= 0) out->counts[first + seen]++;
+        else if (out->size - first < cfg->max_candidates)
+            add_draft(out, draft, n, keys.score[order[h]], 1, p + 2, shard);
+    }
+    rc = 0;
+done:
+    free(lists.score);
+    free(lists.id);
+    free(keys.score);
+    free(keys.id);
+    free(order);
+    free(draft);
+    return rc;
+}
+
+static _Thread_local const float *tl_scores;
+
+static int by_score_stable(const void *a, const void *b) { /* score down, then first seen */
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    if (tl_scores[x] != tl_scores[y]) return tl_scores[x] > tl_scores[y] ? -1 : 1;
+    return (x > y) - (x < y);
+}
+
+/* Every shard of shards [num_shards, DENSE_ROW] searched for query [dims] and merged as
+ * merge_dense merges their answers. cfg: {max_candidates, length, next_token, top_k}. Outputs:
+ * meta[3] = {searched, matched, candidates}; per candidate i: lengths[i], tokens[i * length + j],
+ * counts[i], scores[i], starts[i], out_shards[i] (its shard's position in shards). */
+int sd_dense_candidates(int64_t num_shards, const int64_t *shards, const float *query, const int64_t *cfg_values,
+                        int64_t *meta, int32_t *tokens, int32_t *counts, int32_t *lengths, float *scores,
+                        int64_t *starts, int64_t *out_shards) {
+    DenseConfig cfg = {cfg_values[0], cfg_values[1], cfg_values[2], cfg_values[3]};
+    int64_t capacity = num_shards * cfg.max_candidates, searched = 0, matched = 0;
+    meta[0] = meta[1] = meta[2] = 0;
+    Drafts all = drafts_alloc(capacity, cfg.length), merged = drafts_alloc(capacity, cfg.length);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(capacity + 1));
+    int rc = -1;
+    if (!drafts_ok(&all) || !drafts_ok(&merged) || !order) goto done;
+    for (int64_t s = 0; s < num_shards; s++) {
+        DenseShard shard = dense_shard_of(shards + DENSE_ROW * s);
+        if (dense_shard(&shard, s, query, &cfg, &all, &searched, &matched) != 0) goto done;
+    }
+    for (int64_t i = 0; i < all.size; i++) { /* equal drafts merge: the best score's source, counts add */
+        const int32_t *draft = all.tokens + i * cfg.length;
+        int64_t seen = find_draft(&merged, draft, all.lengths[i]);
+        if (seen < 0) {
+            add_draft(&merged, draft, all.lengths[i], all.score[i], all.counts[i], all.starts[i], all.shards[i]);
+            continue;
+        }
+        merged.counts[seen] += all.counts[i];
+        if (all.score[i] > merged.score[seen]) {
+            merged.score[seen] = all.score[i];
+            merged.starts[seen] = all.starts[i];
+            merged.shards[seen] = all.shards[i];
+        }
+    }
+    for (int64_t i = 0; i < merged.size; i++) order[i] = i;
+    tl_scores = merged.score;
+    qsort(order, (size_t)merged.size, sizeof(int64_t), by_score_stable);
+    int64_t found = merged.size < cfg.max_candidates ? merged.size : cfg.max_candidates;
+    for (int64_t i = 0; i < found; i++) {
+        int64_t k = order[i];
+        memcpy(tokens + i * cfg.length, merged.tokens + k * cfg.length, sizeof(int32_t) * (size_t)merged.lengths[k]);
+        lengths[i] = merged.lengths[k];
+        counts[i] = merged.counts[k];
+        scores[i] = merged.score[k];
+        starts[i] = merged.starts[k];
+        out_shards[i] = merged.shards[k];
+    }
+    meta[0] = searched;
+    meta[1] = matched;
+    meta[2] = found;
+    rc = 0;
+done:
+    drafts_free(&all);
+    drafts_free(&merged);
     free(order);
     return rc;
 }
