@@ -439,6 +439,31 @@ def test_greedy_dresd_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_p
     tally.assert_every_mode_drafted_and_accepted(f"{kind}/{backend}")
 
 
+def test_dresd_on_inverted_lists_searches_compiled_and_equals_ar(tmp_path: Path) -> None:
+    """An IVF index is searched by the compiled library (``native.dense_candidates``); greedy
+    output stays ``ar``'s, and so does the sampled distribution (checked in the next test on the
+    same kind of index)."""
+    from datastore_svc import native
+
+    if native.library() is None:
+        pytest.skip("the compiled retrieval could not be built here")
+    model = tiny_model("llama", vocab=VOCAB, seed=0)
+    target = wrap_model(model, None, ModelConfig(backend="fast"))
+    version = dense_version(
+        model, target, tmp_path / "v", own_continuations(target), index="ivf", params=IndexParams(ivf_lists=4)
+    )
+    assert version._dense_native() is not None
+    engine = datastore_engine(target, LocalRetriever(version))
+    tally = DraftTally()
+    for prompt in prompts(VOCAB):
+        ref = engine.generate(GenerationRequest(tuple(prompt), 40, "ar", stop_at_eos=False)).token_ids
+        for mode in ("dresd", "dresd-batch:d=2:l=12"):
+            res = engine.generate(GenerationRequest(tuple(prompt), 40, mode, stop_at_eos=False))
+            assert res.token_ids == ref, f"{mode}: differs from ar on {prompt}"
+            tally.observe(mode, res.stats)
+    tally.assert_every_mode_drafted_and_accepted("ivf")
+
+
 @pytest.mark.parametrize(
     "mode,params",
     [
@@ -452,7 +477,10 @@ def test_sampling_dresd_matches_exact_distribution(mode: str, params: SamplingPa
     target = wrap_model(model, None, ModelConfig(backend="fast"))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     docs = own_samples(target, prompt, params)  # drafts often right, siblings common
-    version = dense_version(model, target, tmp_path / "v", docs, shards=1)
+    # inverted lists: the compiled search (flat indexes: the greedy tests)
+    version = dense_version(
+        model, target, tmp_path / "v", docs, shards=1, index="ivf", params=IndexParams(ivf_lists=4)
+    )
     engine = datastore_engine(target, LocalRetriever(version))
     dist = exact_distribution(model, prompt, params)
     counts, drafted, accepted = sample_counts(engine, prompt, mode, params)
