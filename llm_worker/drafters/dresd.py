@@ -64,10 +64,10 @@ def dense_batch(result: DenseRetrieval) -> DraftBatch:
 
 class DresdDrafter(Drafter):
     gated = True
-    """A dense retrieval (projection, a FAISS search per shard, reading the hits) costs 0.06-0.14
-    of a target step before the planner sees a draft, about twice a sparse one; on prompts a chat
-    corpus does not know (editing a given text) it drafted at 0.95-0.98x ``ar`` ungated (2-core
-    Xeon, 2026-11-28 log): the gate learns where it pays."""
+    """A dense retrieval (the projection, then every shard's search with its drafts, compiled)
+    costs about 0.08 of a target step before the planner sees a draft, twice a sparse one; on
+    prompts a chat corpus does not know (editing a given text) it drafted at 0.95-0.98x ``ar``
+    ungated (2-core Xeon, 2026-11-28 logs): the gate learns where it pays."""
 
     def __init__(
         self,
