@@ -610,6 +610,7 @@ class DatastoreVersion:
         """[shards, DENSE_ROW] the dense indexes' arrays for the compiled search (None where it
         cannot run), made on first use (``_dense_native``)."""
         self._dense_asked = False
+        self._dense_dims = 0
         self.load_seconds = time.perf_counter() - t0
 
     @property
@@ -650,6 +651,8 @@ class DatastoreVersion:
         if lib is not None and native.dense_fits(cfg.top_k, cfg.max_candidates, cfg.max_length):
             table = self._dense_native()
             if table is not None:
+                if len(query) != self._dense_dims:  # the library reads exactly that many
+                    raise DenseError(f"query of {len(query)} dimensions; this index has {self._dense_dims}")
                 raw = native.dense_candidates(
                     lib, table, query, next_token, (cfg.top_k, cfg.max_candidates, cfg.max_length)
                 )
@@ -675,6 +678,7 @@ class DatastoreVersion:
                 rows.append((*row, tokens, num_tokens, width, separator))
             self._shard_docs()  # the docs first: a thread that sees the table sees them
             self._dense_table = native.dense_table(rows) if rows else None
+            self._dense_dims = rows[0][1] if rows else 0
             self._dense_asked = True
         return self._dense_table
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datastore_svc import native
-from datastore_svc.dense import DenseConfig, DenseIndex, IndexParams, build_faiss_index
+from datastore_svc.dense import DenseConfig, DenseError, DenseIndex, IndexParams, build_faiss_index
 from datastore_svc.retrieval import RetrievalConfig, context_retrieval, retrieve
 from datastore_svc.store import DatastoreVersion, Shard
 from datastore_svc.suffix import SuffixIndex
@@ -306,4 +306,6 @@ def test_dense_indexes_it_cannot_search_run_in_faiss(both: Both) -> None:
         compiled, reference = both(version.retrieve_dense, query, 1, DenseConfig(16, 3, 4))
         assert compiled == reference
     assert not native.dense_fits(5000, 3, 10) and not native.dense_fits(64, 3, 200)
+    with pytest.raises(DenseError, match="query of 7 dimensions; this index has 8"):
+        dense_version(rng, 8).retrieve_dense(np.ones(7, dtype=np.float32), 1, DenseConfig())
     assert native.dense_fits(64, 3, 10)
