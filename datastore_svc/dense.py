@@ -33,6 +33,7 @@ import numpy as np
 
 from datastore_svc.manifest import DenseStatsEntry
 from datastore_svc.native import RawDense
+from datastore_svc.suffix import NATIVE_ROWS_LOCK
 
 INDEX_KINDS = ("auto", "flat", "hnsw", "ivf", "ivfpq")
 FLAT_MAX_KEYS = 50_000
@@ -554,7 +555,7 @@ class DenseIndex:
     def native_row(self) -> tuple[int, ...] | None:
         """What the compiled dense search (``native.dense_candidates``) reads of this index:
         (lists, dims, residual keys, probes, centroids, list sizes, list codes, list rows,
-        positions, position width; arrays as addresses), or None where it cannot search it: an
+        positions, position width, keys; arrays as addresses), or None where it cannot search it: an
         index other than inverted lists of half-precision keys by inner product in this
         process's memory (flat, HNSW, PQ, a GPU index), or one without keys.
 
@@ -563,9 +564,10 @@ class DenseIndex:
         cached = self.__dict__.get("_native_row", False)
         if cached is not False:
             return cached  # type: ignore[no-any-return]
-        row = self._make_native_row()
-        self.__dict__["_native_row"] = row
-        return row
+        with NATIVE_ROWS_LOCK:  # made once: the arrays of a row another thread holds stay alive
+            if "_native_row" not in self.__dict__:
+                self.__dict__["_native_row"] = self._make_native_row()
+            return self.__dict__["_native_row"]  # type: ignore[no-any-return]
 
     def _make_native_row(self) -> tuple[int, ...] | None:
         import faiss
@@ -581,7 +583,11 @@ class DenseIndex:
             return None
         lists = faiss.downcast_InvertedLists(index.invlists)
         quantizer = faiss.downcast_index(index.quantizer)
-        if not isinstance(lists, faiss.ArrayInvertedLists) or not isinstance(quantizer, faiss.IndexFlat):
+        if (
+            not isinstance(lists, faiss.ArrayInvertedLists)
+            or not isinstance(quantizer, faiss.IndexFlat)
+            or quantizer.metric_type != faiss.METRIC_INNER_PRODUCT
+        ):
             return None
         nlist, dims = int(index.nlist), int(index.d)
         sizes = np.array([lists.list_size(i) for i in range(nlist)], dtype=np.int64)
@@ -606,6 +612,7 @@ class DenseIndex:
             int(rows.ctypes.data),
             int(positions.ctypes.data),
             int(positions.itemsize),
+            len(positions),
         )
 
     def keys(self) -> np.ndarray:

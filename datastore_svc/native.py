@@ -103,6 +103,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sd_context_candidates.restype = ctypes.c_int
     lib.sd_dense_candidates.argtypes = [_I64, _PTR, _PTR, _PTR, *[_PTR] * 7]
     lib.sd_dense_candidates.restype = ctypes.c_int
+    lib.sd_dense_simd.argtypes = [ctypes.c_int]
+    lib.sd_dense_simd.restype = ctypes.c_int
     return lib
 
 
@@ -247,8 +249,8 @@ def context_candidates(
     return buffers.result(several=False)
 
 
-DENSE_ROW = 14
-"""Values per shard in a dense table: ``DenseIndex.native_row``'s ten, then the shard's tokens
+DENSE_ROW = 15
+"""Values per shard in a dense table: ``DenseIndex.native_row``'s eleven, then the shard's tokens
 (address, count, width) and separator."""
 MAX_DENSE_KEYS = 4096
 """The most nearest keys a compiled dense search keeps (``top_k``)."""
@@ -271,7 +273,20 @@ class RawDense:
 
 def dense_fits(top_k: int, max_candidates: int, max_length: int) -> bool:
     """Whether the compiled dense search takes this configuration (else FAISS and numpy)."""
-    return top_k <= MAX_DENSE_KEYS and max_candidates <= MAX_DENSE_CANDIDATES and max_length <= MAX_LENGTH
+    return (
+        0 <= top_k <= MAX_DENSE_KEYS
+        and 0 <= max_candidates <= MAX_DENSE_CANDIDATES
+        and 0 <= max_length <= MAX_LENGTH
+    )
+
+
+def dense_simd(enabled: bool | None = None) -> bool:
+    """Whether the compiled dense search uses vector instructions (AVX2 with FMA and F16C, where
+    the CPU has them); ``enabled=False`` makes it use plain C (tests), ``True`` allows them again."""
+    lib = library()
+    if lib is None:
+        return False
+    return bool(lib.sd_dense_simd(-1 if enabled is None else int(enabled)))
 
 
 class _DenseBuffers(threading.local):

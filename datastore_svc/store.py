@@ -31,6 +31,7 @@ import json
 import mmap
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -530,6 +531,10 @@ def huge_pages_offered() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and ("[always]" in mode or "[madvise]" in mode)
 
 
+TABLES_LOCK = threading.Lock()
+"""Held while a version makes its tables for the compiled retrieval (once each)."""
+
+
 def resident_copy(array: np.ndarray) -> np.ndarray:
     """``array`` copied into an anonymous mapping that asks for transparent huge pages.
 
@@ -635,9 +640,11 @@ class DatastoreVersion:
         loads (``native``), the same result."""
         lib = native.library()
         if lib is not None and self.shards and native.fits(shape_of(cfg)):
-            if self._table is None:  # the docs first: a thread that sees the table sees them
-                self._shard_docs()
-                self._table = native.shard_table([(s.suffixes, s.separator) for s in self.shards])
+            if self._table is None:
+                with TABLES_LOCK:
+                    if self._table is None:  # the docs first: a thread that sees the table sees them
+                        self._shard_docs()
+                        self._table = native.shard_table([(s.suffixes, s.separator) for s in self.shards])
             raw = native.shards_candidates(lib, self._table, context, shape_of(cfg))
             return of_raw(raw, self._docs)
         results = [s.retrieve(context, cfg) for s in self.shards]
@@ -651,6 +658,8 @@ class DatastoreVersion:
         if lib is not None and native.dense_fits(cfg.top_k, cfg.max_candidates, cfg.max_length):
             table = self._dense_native()
             if table is not None:
+                if query.ndim != 1:  # one query, as FAISS's path takes it: [dims] or [1, dims]
+                    query = np.reshape(query, -1)
                 if len(query) != self._dense_dims:  # the library reads exactly that many
                     raise DenseError(f"query of {len(query)} dimensions; this index has {self._dense_dims}")
                 raw = native.dense_candidates(
@@ -668,19 +677,26 @@ class DatastoreVersion:
     def _dense_native(self) -> np.ndarray | None:
         """[shards, DENSE_ROW] for the compiled dense search, made once (None: it cannot run)."""
         if not self._dense_asked:
-            rows: list[tuple[int, ...]] = []
-            for shard in self.shards:
-                row = shard.dense.native_row() if shard.dense is not None else None
-                if row is None:
-                    rows = []
-                    break
-                tokens, num_tokens, width, _, separator, _ = shard.suffixes.native_row(shard.separator)
-                rows.append((*row, tokens, num_tokens, width, separator))
-            self._shard_docs()  # the docs first: a thread that sees the table sees them
-            self._dense_table = native.dense_table(rows) if rows else None
-            self._dense_dims = rows[0][1] if rows else 0
-            self._dense_asked = True
+            with TABLES_LOCK:
+                if not self._dense_asked:
+                    self._make_dense_table()
         return self._dense_table
+
+    def _make_dense_table(self) -> None:
+        rows: list[tuple[int, ...]] = []
+        for shard in self.shards:
+            row = shard.dense.native_row() if shard.dense is not None else None
+            if row is None:
+                rows = []
+                break
+            tokens, num_tokens, width, _, separator, _ = shard.suffixes.native_row(shard.separator)
+            rows.append((*row, tokens, num_tokens, width, separator))
+        if len({row[1] for row in rows}) > 1:  # shards of other widths: FAISS names the one refused
+            rows = []
+        self._shard_docs()  # the docs first: a thread that sees the table sees them
+        self._dense_table = native.dense_table(rows) if rows else None
+        self._dense_dims = rows[0][1] if rows else 0
+        self._dense_asked = True
 
 
 class LocalRetriever:

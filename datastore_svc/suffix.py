@@ -18,6 +18,7 @@ Example: tokens [5, 6, 5, 7, SEP] → suffixes sorted: [5,6,5,7,SEP] (0), [5,7,S
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,9 @@ def token_dtype(separator: int) -> np.dtype:
     return np.dtype(">u2") if separator < 2**16 else np.dtype(">u4")
 
 
+NATIVE_ROWS_LOCK = threading.Lock()
+"""Held while an index makes its rows for the compiled retrieval (``SuffixIndex.native_row``,
+``DenseIndex.native_row``): once made, a row's arrays live as long as the index."""
 MAX_TABLE_TOKENS = 1 << 20
 """Above this separator (a vocabulary of a million tokens) an index has no first-token table."""
 
@@ -108,11 +112,15 @@ class SuffixIndex:
         [0, 2). None (0) for vocabularies above ``MAX_TABLE_TOKENS``."""
         cached = getattr(self, "_native_rows", {})
         if separator not in cached:
-            table = self.first_token_starts(separator) if separator <= MAX_TABLE_TOKENS else None
-            pointer = 0 if table is None else table.ctypes.data
-            tokens_ptr, _, sa_ptr, n = self._search_args  # type: ignore[attr-defined]
-            cached[separator] = ((tokens_ptr, n, self.width, sa_ptr, separator, pointer), table)
-            object.__setattr__(self, "_native_rows", cached)
+            with NATIVE_ROWS_LOCK:  # one table per index: a table another thread holds stays alive
+                cached = getattr(self, "_native_rows", {})
+                if separator not in cached:
+                    table = self.first_token_starts(separator) if separator <= MAX_TABLE_TOKENS else None
+                    pointer = 0 if table is None else table.ctypes.data
+                    tokens_ptr, _, sa_ptr, n = self._search_args  # type: ignore[attr-defined]
+                    row = (tokens_ptr, n, self.width, sa_ptr, separator, pointer)
+                    cached = {**cached, separator: (row, table)}  # readers see the old dict or this one
+                    object.__setattr__(self, "_native_rows", cached)
         return cached[separator][0]  # type: ignore[no-any-return]
 
     def first_token_starts(self, separator: int) -> np.ndarray:

@@ -439,7 +439,9 @@ def test_greedy_dresd_equals_ar(kind: str, backend: str, curve: CostCurve, tmp_p
     tally.assert_every_mode_drafted_and_accepted(f"{kind}/{backend}")
 
 
-def test_dresd_on_inverted_lists_searches_compiled_and_equals_ar(tmp_path: Path) -> None:
+def test_dresd_on_inverted_lists_searches_compiled_and_equals_ar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An IVF index is searched by the compiled library (``native.dense_candidates``); greedy
     output stays ``ar``'s, and so does the sampled distribution (checked in the next test on the
     same kind of index)."""
@@ -453,6 +455,9 @@ def test_dresd_on_inverted_lists_searches_compiled_and_equals_ar(tmp_path: Path)
         model, target, tmp_path / "v", own_continuations(target), index="ivf", params=IndexParams(ivf_lists=4)
     )
     assert version._dense_native() is not None
+    calls = []
+    search = native.dense_candidates
+    monkeypatch.setattr(native, "dense_candidates", lambda *a: calls.append(1) or search(*a))
     engine = datastore_engine(target, LocalRetriever(version))
     tally = DraftTally()
     for prompt in prompts(VOCAB):
@@ -462,6 +467,7 @@ def test_dresd_on_inverted_lists_searches_compiled_and_equals_ar(tmp_path: Path)
             assert res.token_ids == ref, f"{mode}: differs from ar on {prompt}"
             tally.observe(mode, res.stats)
     tally.assert_every_mode_drafted_and_accepted("ivf")
+    assert len(calls) > 20  # the compiled search answered, not FAISS
 
 
 @pytest.mark.parametrize(

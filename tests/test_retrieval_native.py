@@ -224,11 +224,12 @@ def test_describe_says_whether_it_runs(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def dense_version(
-    rng: np.random.Generator, dims: int, kind: str = "ivf", tiny: float = 0.0
+    rng: np.random.Generator, dims: int, kind: str = "ivf", residual: bool = True, wide: bool = False
 ) -> DatastoreVersion:
     """A version of 1-3 shards over a 5-token vocabulary (many keys share a next token), each with
-    a FAISS index of random unit keys (``tiny``: that share of components near 1e-6, half-precision
-    subnormals), read back from disk as a worker loads it."""
+    a FAISS index of random unit keys, read back as a worker loads it. ``residual=False``: keys
+    stored as they are, not as their distance to a centroid, a tenth of their components 1e-6
+    (half-precision subnormals); ``wide``: 8-byte key positions."""
     import faiss
 
     vocab, shards = 5, []
@@ -236,12 +237,21 @@ def dense_version(
         tokens = corpus(rng, vocab, int(rng.integers(30, 80)))
         keyed = np.flatnonzero((tokens[:-1] < vocab) & (np.r_[tokens[1:-1], vocab] < vocab))
         keys = rng.normal(size=(len(keyed), dims)).astype(np.float32)
-        keys[rng.random(keys.shape) < tiny] = 1e-6
         keys /= np.linalg.norm(keys, axis=1, keepdims=True)
         params = IndexParams(ivf_lists=int(rng.integers(1, 12)), ivf_probe=int(rng.integers(1, 6)))
-        index = faiss.deserialize_index(faiss.serialize_index(build_faiss_index(keys, kind, params)))
+        if residual or kind != "ivf":
+            built = build_faiss_index(keys, kind, params)
+        else:
+            keys[rng.random(keys.shape) < 0.1] = 1e-6
+            fp16, ip = faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT
+            built = faiss.IndexIVFScalarQuantizer(
+                faiss.IndexFlatIP(dims), dims, params.ivf_lists, fp16, ip, False
+            )
+            built.train(keys)
+            built.add(keys)
+        index = faiss.deserialize_index(faiss.serialize_index(built))
         shard = Shard(position + 2, SuffixIndex.build(tokens, vocab), document_starts(tokens, vocab), vocab)
-        shard.dense = DenseIndex(index, keyed.astype(np.int32), params)
+        shard.dense = DenseIndex(index, keyed.astype(np.int64 if wide else np.int32), params)
         shards.append(shard)
     version = DatastoreVersion.__new__(DatastoreVersion)
     version.shards, version._table, version._docs = shards, None, []
@@ -266,17 +276,34 @@ def well_separated(version: DatastoreVersion, query: np.ndarray, k: int) -> bool
     return True
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_dense_search_equals_faiss_and_the_python_drafts(seed: int, both: Both) -> None:
+@pytest.mark.parametrize(
+    "seed,residual,wide,simd",
+    [(0, True, False, True), (1, True, True, True), (2, False, False, True), (3, False, True, False)],
+    ids=["residual", "wide-positions", "subnormal-keys", "plain-c"],
+)
+def test_dense_search_equals_faiss_and_the_python_drafts(
+    seed: int, residual: bool, wide: bool, simd: bool, both: Both
+) -> None:
     """One compiled call over every shard's inverted lists gives what FAISS's search per shard,
     ``drafts_from_hits`` and ``merge_dense`` give: drafts, counts, sources, searched and matched
-    keys, scores to rounding. Dimensions not a multiple of 8 (the vectorised loop's tail) and
-    half-precision subnormal components included."""
+    keys, scores to rounding. Keys stored as residuals or as they are (then with half-precision
+    subnormal components), 4- or 8-byte positions, dimensions not a multiple of 8 (the vectorised
+    loop's tail), and the plain C dot products."""
     rng = np.random.default_rng(200 + seed)
+    compared = 0
+    native.dense_simd(simd)
+    try:
+        compared = compare_dense(rng, residual, wide, both)
+    finally:
+        native.dense_simd(True)
+    assert compared > 100  # most queries are unambiguous
+
+
+def compare_dense(rng: np.random.Generator, residual: bool, wide: bool, both: Both) -> int:
     compared = 0
     for _ in range(12):
         dims = int(rng.choice([8, 12, 64]))
-        version = dense_version(rng, dims, tiny=0.1 * (seed % 2))
+        version = dense_version(rng, dims, residual=residual, wide=wide)
         assert version._dense_native() is not None
         for _ in range(25):
             query = rng.normal(size=dims).astype(np.float32)
@@ -293,7 +320,7 @@ def test_dense_search_equals_faiss_and_the_python_drafts(seed: int, both: Both) 
                 [c.score for c in reference.candidates], abs=1e-5
             )
             compared += 1
-    assert compared > 100  # most queries are unambiguous
+    return compared
 
 
 def test_dense_indexes_it_cannot_search_run_in_faiss(both: Both) -> None:

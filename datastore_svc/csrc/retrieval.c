@@ -23,6 +23,7 @@
  * the prefix ending at j) and starts[i] (token position of the continuation's first token).
  * Returns 0, or -1 where memory ran out.
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -567,19 +568,19 @@ typedef struct {
     const int64_t *codes;     /* [nlist] addresses of uint16 [size, dims]: IEEE half keys */
     const int64_t *ids;       /* [nlist] addresses of int64 [size]: each key's row */
     const uint8_t *positions; /* [keys] int32 or int64 (position_width bytes): a key's token position */
-    int64_t position_width;
+    int64_t position_width, num_keys;
     const uint8_t *text; /* the shard's tokens, big-endian, as ShardArrays */
     int64_t num_tokens, width, separator;
 } DenseShard;
 
-#define DENSE_ROW 14
+#define DENSE_ROW 15
 
 static DenseShard dense_shard_of(const int64_t *a) {
     return (DenseShard){a[0], a[1], a[2], a[3],
                         (const float *)(intptr_t)a[4], (const int64_t *)(intptr_t)a[5],
                         (const int64_t *)(intptr_t)a[6], (const int64_t *)(intptr_t)a[7],
-                        (const uint8_t *)(intptr_t)a[8], a[9],
-                        (const uint8_t *)(intptr_t)a[10], a[11], a[12], a[13]};
+                        (const uint8_t *)(intptr_t)a[8], a[9], a[10],
+                        (const uint8_t *)(intptr_t)a[11], a[12], a[13], a[14]};
 }
 
 static float half_to_float(uint16_t h) {
@@ -615,8 +616,18 @@ static float dot_float(const float *q, const float *x, int64_t dims) {
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_X86_DISPATCH 1
+
+/* AVX2, FMA and F16C, and an OS that saves the AVX registers (F16C by CPUID: older compilers'
+ * __builtin_cpu_supports does not know it) */
+static int has_avx2_f16c(void) {
+    unsigned a, b, c, d;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    return (c >> 29) & 1u;
+}
 
 __attribute__((target("avx2,fma,f16c"))) static float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -650,12 +661,25 @@ __attribute__((target("avx2,fma,f16c"))) static float dot_float_avx2(const float
 typedef float (*DotHalf)(const float *, const uint16_t *, int64_t);
 typedef float (*DotFloat)(const float *, const float *, int64_t);
 
+static _Atomic int simd_allowed = 1;
+
+/* Whether the dense search uses vector instructions: mode 0 forbids them (tests of the plain C
+ * path), 1 allows them, -1 only asks. Returns whether they are used now. */
+int sd_dense_simd(int mode) {
+    if (mode >= 0) simd_allowed = mode;
+#ifdef HAVE_X86_DISPATCH
+    return simd_allowed && has_avx2_f16c();
+#else
+    return 0;
+#endif
+}
+
 /* The dot products this CPU runs fastest: AVX2 with FMA and F16C where it has them. */
 static void pick_dots(DotHalf *half, DotFloat *full) {
     *half = dot_half;
     *full = dot_float;
 #ifdef HAVE_X86_DISPATCH
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    if (simd_allowed && has_avx2_f16c()) {
         *half = dot_half_avx2;
         *full = dot_float_avx2;
     }
@@ -804,7 +828,9 @@ static int dense_shard(const DenseShard *s, int64_t shard, const float *query, c
     qsort(order, (size_t)keys.size, sizeof(int64_t), by_best);
     int64_t first = out->size; /* this shard's drafts start here */
     for (int64_t h = 0; h < keys.size; h++) {
-        int64_t p = key_position(s, keys.id[order[h]]);
+        int64_t row = keys.id[order[h]];
+        if (row < 0 || row >= s->num_keys) continue; /* no key of this index: nothing to read */
+        int64_t p = key_position(s, row);
         if (p < 0) continue;
         (*searched)++;
         if (p + 1 >= s->num_tokens || token_at(s->text, s->width, p + 1) != cfg->next_token) continue;
@@ -852,6 +878,7 @@ int sd_dense_candidates(int64_t num_shards, const int64_t *shards, const float *
                         int64_t *meta, int32_t *tokens, int32_t *counts, int32_t *lengths, float *scores,
                         int64_t *starts, int64_t *out_shards) {
     DenseConfig cfg = {cfg_values[0], cfg_values[1], cfg_values[2], cfg_values[3]};
+    if (cfg.max_candidates < 0 || cfg.length < 0 || cfg.top_k < 0) return -1;
     int64_t capacity = num_shards * cfg.max_candidates, searched = 0, matched = 0;
     meta[0] = meta[1] = meta[2] = 0;
     Drafts all = drafts_alloc(capacity, cfg.length), merged = drafts_alloc(capacity, cfg.length);
