@@ -477,12 +477,18 @@ def drafts_from_hits(
     best = sorted(by_draft.items(), key=lambda kv: -kv[1][0])[: cfg.max_candidates]
     candidates = []
     for draft, (score, count, start) in best:
-        source = None
-        if doc_starts is not None and len(doc_starts):
-            doc = bisect.bisect_right(doc_starts, start) - 1
-            source = DenseSource(shard, doc, start - int(doc_starts[doc]))
+        source = dense_source(doc_starts, start, shard) if doc_starts is not None else None
         candidates.append(DenseCandidate(draft, float(score), count, source))
     return DenseRetrieval(tuple(candidates), searched, matched)
+
+
+def dense_source(doc_starts: Sequence[int] | np.ndarray, start: int, shard: int) -> DenseSource | None:
+    """Where a draft starting at token ``start`` of ``shard`` came from: its document (by the
+    shard's ``doc_starts``) and offset in it; None without document starts."""
+    if not len(doc_starts):
+        return None
+    doc = bisect.bisect_right(doc_starts, start) - 1
+    return DenseSource(shard, doc, start - int(doc_starts[doc]))
 
 
 def of_raw_dense(raw: RawDense, shards: Sequence[tuple[Sequence[int], int]]) -> DenseRetrieval:
@@ -493,11 +499,7 @@ def of_raw_dense(raw: RawDense, shards: Sequence[tuple[Sequence[int], int]]) -> 
         raw.tokens, raw.counts, raw.scores, raw.starts, raw.shards, strict=True
     ):
         doc_starts, shard = shards[position]
-        source = None
-        if len(doc_starts):
-            doc = bisect.bisect_right(doc_starts, start) - 1
-            source = DenseSource(shard, doc, start - int(doc_starts[doc]))
-        candidates.append(DenseCandidate(tuple(tokens), score, count, source))
+        candidates.append(DenseCandidate(tuple(tokens), score, count, dense_source(doc_starts, start, shard)))
     return DenseRetrieval(tuple(candidates), raw.searched, raw.matched)
 
 
