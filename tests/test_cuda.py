@@ -14,6 +14,7 @@ machine and puts each one's outcome in its report.
 from __future__ import annotations
 
 import os
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -126,6 +127,20 @@ def _modes(target: TargetModel) -> list[str]:
     return [m for m in DRAFTERS.available(target) if m != "ar"]
 
 
+def _each_mode(modes: list[str], check: Any) -> None:
+    """``check(mode)`` for every mode, then one failure naming each mode that failed and why: a
+    GPU run is scarce, so one broken mode must not hide how the others did."""
+    failed = []
+    for mode in modes:
+        try:
+            check(mode)
+        except Exception as exc:  # reported below, with the mode and where it was raised
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            failed.append(f"{mode}: {type(exc).__name__} at {where.filename}:{where.lineno}: {first}")
+    assert not failed, f"{len(failed)} of {len(modes)} modes failed: " + "; ".join(failed)
+
+
 def _references(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     refs = [
         engine.generate(GenerationRequest(tuple(p), NEW_TOKENS, "ar", stop_at_eos=False)).token_ids
@@ -150,11 +165,14 @@ def test_every_mode_alone_is_bit_identical_to_ar_on_cuda(cuda_model, cuda_prompt
     refs = _references(engine, cuda_prompts)
     tally = DraftTally()
     dtype = target.info.dtype
-    for mode in _modes(target):
+
+    def check(mode: str) -> None:
         for i, (prompt, ref) in enumerate(zip(cuda_prompts, refs, strict=True)):
             res = engine.generate(GenerationRequest(tuple(prompt), NEW_TOKENS, mode, stop_at_eos=False))
             assert_greedy_identical(target, prompt, ref, res.token_ids, f"cuda/{dtype}/{mode}/prompt{i}")
             tally.observe(mode, res.stats)
+
+    _each_mode(_modes(target), check)
     tally.assert_every_mode_drafted_and_accepted(f"cuda/{dtype}")
 
 
@@ -173,17 +191,20 @@ def test_every_mode_under_16_concurrent_requests_is_bit_identical_to_ar_on_cuda(
     tally = DraftTally()
     dtype = target.info.dtype
     which = [i % len(cuda_prompts) for i in range(CONCURRENT)]
+
+    def check(mode: str) -> None:
+        requests = [
+            GenerationRequest(tuple(cuda_prompts[i]), NEW_TOKENS, mode, stop_at_eos=False) for i in which
+        ]
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            results = list(pool.map(batched.generate, requests))
+        for i, res in zip(which, results, strict=True):
+            label = f"cuda/{dtype}/{mode}/x{CONCURRENT}/prompt{i}"
+            assert_greedy_identical(target, cuda_prompts[i], refs[i], res.token_ids, label)
+            tally.observe(mode, res.stats)
+
     try:
-        for mode in _modes(target):
-            requests = [
-                GenerationRequest(tuple(cuda_prompts[i]), NEW_TOKENS, mode, stop_at_eos=False) for i in which
-            ]
-            with ThreadPoolExecutor(CONCURRENT) as pool:
-                results = list(pool.map(batched.generate, requests))
-            for i, res in zip(which, results, strict=True):
-                label = f"cuda/{dtype}/{mode}/x{CONCURRENT}/prompt{i}"
-                assert_greedy_identical(target, cuda_prompts[i], refs[i], res.token_ids, label)
-                tally.observe(mode, res.stats)
+        _each_mode(_modes(target), check)
         assert batched.scheduler is not None and batched.scheduler.mean_batch_size > 1
     finally:
         batched.close()

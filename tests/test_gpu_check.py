@@ -69,3 +69,29 @@ def test_junit_cases_reads_each_outcome(tmp_path: Path) -> None:
         ("tests/test_cuda.py::test_b", "failed", 0.1, "assert 1 == 2"),
         ("tests/test_cuda.py::test_c", "skipped", 0.0, "no CUDA device"),
     ]
+
+
+def test_a_failing_triton_benchmark_on_cuda_runs_again_on_the_torch_operations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the default operations fail on CUDA, the speed of the ordinary fast path is still
+    reported, labelled as the fallback's and not invariant, and the check fails."""
+    calls = []
+
+    def fake_benchmark(*args: object) -> dict[str, object]:
+        ops = args[-2]  # (..., quick, ops, dtypes)
+        calls.append(ops)
+        if ops == "auto":
+            raise RuntimeError("no kernel image")
+        under = {"16": {"aggregate_tokens_per_second": 500.0, "identical_to_ar": True}}
+        row = {"tokens_per_second": 100.0, "speedup_vs_ar": 1.0, "tau": 1.0, "identical_to_ar": True}
+        return {"modes": {"ar": {**row, "concurrency": under}}}
+
+    monkeypatch.setattr(check, "run_benchmark", fake_benchmark)
+    out = tmp_path / "gpu-check"
+    assert check.main(["--device", "cuda", "--skip-tests", "--out", str(out)]) == 1
+    assert calls == ["auto", "torch"]
+    bench = json.loads((out / "report.json").read_text())["bench"]
+    assert bench["fallback_ops"] == "torch" and "no kernel image" in bench["auto_ops_error"]
+    assert bench["summary"]["modes"]["ar"]["tokens_per_second"] == 100.0
+    assert "the fallback's, operations `torch`" in (out / "report.md").read_text()

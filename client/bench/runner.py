@@ -178,14 +178,18 @@ def reference_of(mode: str) -> str:
     return f"ar@{dtype}" if at else "ar"
 
 
-def measure_read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second this process reads from memory: the best of ``repeats`` sums of a float32
-    array far larger than the caches, with torch's threads (what a decode step has)."""
-    x = torch.ones(megabytes * 2**20 // 4)
+def measure_read_bandwidth(megabytes: int = 512, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes per second this process reads from ``device``'s memory (where the target's weights
+    are): the best of ``repeats`` sums of a float32 array far larger than the caches, with torch's
+    threads on a CPU (what a decode step has)."""
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     best = float("inf")
     for _ in range(repeats + 1):  # the first touches the pages
+        sync()
         begin = time.perf_counter()
         x.sum()
+        sync()
         best = min(best, time.perf_counter() - begin)
     return x.numel() * 4 / best
 
@@ -341,7 +345,7 @@ def run_bench(
     for other in others:
         other.cost_curve  # noqa: B018  # measured (or read) before any timing
     say("measuring the memory read bandwidth (a few seconds)")
-    bandwidth = measure_read_bandwidth()
+    bandwidth = measure_read_bandwidth(device=engine.target.info.device)
     result.machine["memory_read_gb_per_s"] = round(bandwidth / 1e9, 2)
     result.machine["dtypes"] = {e.target.info.dtype: dtype_info(e, bandwidth) for e in engines.values()}
     result.config = {

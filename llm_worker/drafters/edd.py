@@ -180,7 +180,7 @@ class EddDrafter(Drafter):
         paths = [
             ([] if p < 0 or block is None else block.paths[p]) + [rows + i] for i, p in enumerate(parents)
         ]
-        x = self.embed(torch.tensor(tokens)).float()  # [m, hidden]
+        x = self.embed(torch.tensor(tokens, device=self.cos.device)).float()  # [m, hidden]
         began = time.perf_counter()
         if self.fast is not None and state.fused is not None:
             visible = torch.zeros(m, rows + m, dtype=torch.bool)
@@ -209,6 +209,7 @@ class EddDrafter(Drafter):
         allowed[..., :prompt] = True
         for i, path in enumerate(paths):
             allowed[0, 0, i, [prompt + r for r in path]] = True
+        allowed = allowed.to(x.device)  # built on the host, copied once
         keys, values = state.keys, state.values
         if block is not None and block.keys is not None and block.values is not None:
             keys, values = torch.cat((keys, block.keys), dim=2), torch.cat((values, block.values), dim=2)

@@ -215,8 +215,10 @@ class GlideDrafter(Drafter):
                 return self.fast.forward(x, state.fused, None, None)
             return self.fast.forward(x, state.fused, buffers, positions.clamp(max=cached).clamp(min=1))
         target_kv = ctx.kv(self.cfg.target_layer)
-        x = self.embed(torch.tensor(tokens)).float()[None]  # [1, n, hidden]
-        allowed = causal_mask(n, start + n, start)[None, None]
+        device = self.cos.device  # the target's
+        positions = positions.to(device)
+        x = self.embed(torch.tensor(tokens, device=device)).float()[None]  # [1, n, hidden]
+        allowed = causal_mask(n, start + n, start)[None, None].to(device)
         cross = cross_allowed(positions[None], cached, positions.clamp(max=cached)[None])
         keys, values = target_kv
         logits, state.kv = self.net(

@@ -103,10 +103,14 @@ class DraftNetwork(Generic[NetT, FastT]):
     def build(
         cls, target: TargetModel, net: NetT, d2t: torch.Tensor, meta: dict[str, Any] | None = None
     ) -> Self:
-        """The network for ``target`` in eval mode, its RoPE tables and its fused copy (where
-        the fused kernels are on and it fits them)."""
-        net = net.eval()
+        """The network for ``target`` in eval mode on the target's device (where the target's
+        hidden states and KV cache are), its RoPE tables there and its fused copy (where the
+        fused kernels are on and it fits them). ``d2t`` stays on the host: it maps draft ids to
+        token ids there (and indexes a device tensor as well)."""
+        device = torch.device(target.info.device)
+        net = net.eval().to(device)
         cos, sin = rope_tables(target.model, target.info.max_context)
+        cos, sin = cos.to(device), sin.to(device)
         ops = fused_ops(target)
         fast = cls.FUSED(net, ops, cos, sin) if ops is not None and cls.FUSED.supports(net) else None
         return cls(target, net, d2t, meta or {}, cos, sin, fast)

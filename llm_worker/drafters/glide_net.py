@@ -71,6 +71,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     """Grouped-query attention: q [B, heads, Lq, d], k/v [B, kv, Lk, d], allowed [B|1, 1, Lq, Lk]
     bool (every row must allow at least one key) → [B, heads, Lq, d]."""
     b, heads, lq, d = q.shape
+    if q.is_cuda:
+        # CUDA's fused attention kernels read whole 16-byte rows: a view of the target's value
+        # cache (head_dim + 1 columns a row) ends in a misaligned address there; a copy does not
+        k, v = k.contiguous(), v.contiguous()
     group = heads // k.shape[1]
     if group > 1:  # query heads of one KV head side by side as rows: K/V are read in place
         q = q.reshape(b, k.shape[1], group * lq, d)

@@ -114,8 +114,9 @@ def junit_cases(path: Path) -> list[dict[str, Any]]:
     return cases
 
 
-def run_tests(files: list[Path], timeout_seconds: float) -> dict[str, Any]:
-    """``pytest -m cuda`` over ``files`` (at least one) in a child process; each case's outcome."""
+def run_tests(files: list[Path], timeout_seconds: float, select: str | None = None) -> dict[str, Any]:
+    """``pytest -m cuda`` over ``files`` (at least one) in a child process, ``-k select`` where
+    given; each case's outcome."""
     assert files, "no test file holds cuda tests"
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
@@ -123,6 +124,7 @@ def run_tests(files: list[Path], timeout_seconds: float) -> dict[str, Any]:
         # a base temp of its own: pytest's shared one keeps the last three runs and removes older
         # ones, perhaps the calling test's
         command += [f"--junitxml={junit}", f"--basetemp={tmp}/pytest"]
+        command += ["-k", select] if select else []
         command += [str(f.relative_to(REPO)) for f in files]
         say(f"running {' '.join(command[1:])}")
         began = time.perf_counter()
@@ -133,11 +135,12 @@ def run_tests(files: list[Path], timeout_seconds: float) -> dict[str, Any]:
             exit_code = None
         seconds = round(time.perf_counter() - began, 1)
         cases = junit_cases(junit) if junit.is_file() else []
+    names = [str(f.relative_to(REPO)) for f in files]
     counts: dict[str, int] = {}
     for case in cases:
         counts[case["outcome"]] = counts.get(case["outcome"], 0) + 1
     return {
-        "command": "pytest -m cuda " + " ".join(str(f.relative_to(REPO)) for f in files),
+        "command": " ".join(["pytest -m cuda", *([f"-k '{select}'"] if select else []), *names]),
         "exit_code": exit_code,
         "timed_out": exit_code is None,
         "seconds": seconds,
@@ -147,11 +150,19 @@ def run_tests(files: list[Path], timeout_seconds: float) -> dict[str, Any]:
 
 
 def run_benchmark(
-    device: str, model: str | None, limit: int, max_new_tokens: int, concurrency: int, quick: bool
+    device: str,
+    model: str | None,
+    limit: int,
+    max_new_tokens: int,
+    concurrency: int,
+    quick: bool,
+    ops: str = "auto",
+    dtypes: tuple[str, ...] = DTYPES,
 ) -> dict[str, Any]:
     """Every mode, float32 and bfloat16, alone and ``concurrency`` at once, plus ``hf-ar``:
     ``run_bench``'s report. ``quick``: a fixed cost curve instead of the one measured here (whose
-    check measures it again whenever a busy CPU's forwards disagree with it)."""
+    check measures it again whenever a busy CPU's forwards disagree with it); ``ops``: the
+    forward's operations (``ModelConfig.ops``; auto: the Triton kernels on CUDA)."""
     from client.bench.runner import run_bench
     from client.bench.suite import builtin_suite
     from llm_worker.assembly import ResourceConfig, build_resources, load_model
@@ -162,15 +173,19 @@ def run_benchmark(
 
     curve = CostCurve.linear(0.05, 0.003) if quick else None
     engines = []
-    for dtype in DTYPES:
-        say(f"loading the model ({model or 'the default model'}, {dtype}, {device})")
-        target, tokenizer = load_model(ModelConfig(path=model, dtype=dtype, device=device))  # type: ignore[arg-type]
+    for dtype in dtypes:
+        say(f"loading the model ({model or 'the default model'}, {dtype}, {device}, operations {ops})")
+        config = ModelConfig(path=model, dtype=dtype, device=device, ops=ops)  # type: ignore[arg-type]
+        target, tokenizer = load_model(config)
         resources = build_resources(ResourceConfig(), tokenizer)
         engines.append((Engine(target, curve=curve, resources=resources), target, tokenizer))
     engine, target, tokenizer = engines[0]
-    modes = [*DRAFTERS.available(target, engine.resources), "hf-ar"]
     questions = builtin_suite(SUITE)[:limit]
-    say(f"bench: {len(modes)} modes x {DTYPES}, {len(questions)} questions, {max_new_tokens} new tokens")
+    modes, failed = working_modes(
+        [e for e, _, _ in engines], DRAFTERS.available(target, engine.resources), questions[0], tokenizer
+    )
+    modes.append("hf-ar")
+    say(f"bench: {len(modes)} modes x {dtypes}, {len(questions)} questions, {max_new_tokens} new tokens")
     result = run_bench(
         engine,
         tokenizer,
@@ -182,14 +197,36 @@ def run_benchmark(
         concurrency=[concurrency],
     )
     report = result.to_json()
+    report["failed_modes"] = failed
     report["kernel_info"] = {
-        dtype: e.target.kernel_info() for dtype, (e, _, _) in zip(DTYPES, engines, strict=True)
+        dtype: e.target.kernel_info() for dtype, (e, _, _) in zip(dtypes, engines, strict=True)
     }
     report["operations"] = {
         dtype: getattr(getattr(t, "ops", None), "name", None)
-        for dtype, (_, t, _) in zip(DTYPES, engines, strict=True)
+        for dtype, (_, t, _) in zip(dtypes, engines, strict=True)
     }
     return report
+
+
+def working_modes(
+    engines: list[Any], modes: list[str], question: Any, tokenizer: Any
+) -> tuple[list[str], dict[str, str]]:
+    """The modes that write a few tokens on every engine, and why each other one failed (the
+    benchmark runs the rest: one broken mode does not cost a scarce GPU run its figures)."""
+    from llm_worker.chat import chat_prompt_ids
+    from llm_worker.engine import GenerationRequest
+
+    prompt = tuple(chat_prompt_ids(tokenizer, question.messages()))
+    failed: dict[str, str] = {}
+    for mode in modes:
+        for engine in engines:
+            try:
+                engine.generate(GenerationRequest(prompt, 4, mode, stop_at_eos=False))
+            except Exception as exc:
+                failed[mode] = f"{engine.target.info.dtype}: {type(exc).__name__}: {exc}"[:2000]
+                say(f"{mode} failed, left out of the benchmark: {failed[mode]}")
+                break
+    return [m for m in modes if m not in failed], failed
 
 
 def summarize(bench: dict[str, Any], concurrency: int) -> dict[str, Any]:
@@ -212,6 +249,7 @@ def summarize(bench: dict[str, Any], concurrency: int) -> dict[str, Any]:
     ratio = round(ar / hf, 3) if ar and hf else None
     return {
         "modes": rows,
+        "failed_modes": sorted(bench.get("failed_modes", {})),
         "every_mode_identical_alone": all(rows[m]["identical_to_ar"] for m in engine_modes),
         f"every_mode_identical_x{concurrency}": all(
             rows[m][f"identical_to_ar_x{concurrency}"] is not False for m in engine_modes
@@ -254,9 +292,18 @@ def markdown(report: dict[str, Any]) -> str:
     elif "error" in bench:
         lines.append(f"failed: `{bench['error']}`")
     else:
+        if "auto_ops_error" in bench:
+            lines += [
+                f"The default operations failed (`{bench['auto_ops_error']}`); these figures are "
+                f"the fallback's, operations `{bench['fallback_ops']}` (not batch-invariant).",
+                "",
+            ]
         summary, c = bench["summary"], report["options"]["concurrency"]
+        for mode, why in bench.get("failed_modes", {}).items():
+            lines.append(f"- `{mode}` failed and was left out: `{why.splitlines()[0][:300]}`")
         lines += [
-            f"ar / hf-ar (transformers' generate, float32): {summary['ar_vs_hf_ar']}; every mode "
+            f"ar / hf-ar (transformers' generate, {report['options']['dtypes'].split(',')[0]}): "
+            f"{summary['ar_vs_hf_ar']}; every mode "
             f"identical to ar alone: {summary['every_mode_identical_alone']}, with {c} users: "
             f"{summary[f'every_mode_identical_x{c}']}; {bench['seconds']} s",
             "",
@@ -293,8 +340,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="questions of the suite (default 16; --quick 2)")
     p.add_argument("--max-new-tokens", type=int, help="tokens an answer (default 32; --quick 8)")
     p.add_argument("--concurrency", type=int, help="users of the concurrent run (default 16)")
+    p.add_argument(
+        "--ops",
+        choices=("auto", "triton", "torch"),
+        default="auto",
+        help="the benchmark's forward operations (auto: Triton on CUDA; on CUDA, when auto fails,\n"
+        "the benchmark runs again on torch's, reported as such)",
+    )
     p.add_argument("--tests-timeout", type=float, default=330.0, help="seconds pytest -m cuda may take")
     p.add_argument("--skip-tests", action="store_true", help="the benchmark alone")
+    p.add_argument("-k", dest="select", help="pytest -k: the cuda tests to run (default: all)")
+    p.add_argument(
+        "--dtypes",
+        default=",".join(DTYPES),
+        help="the benchmark's dtypes, comma-separated (default: %(default)s; the first runs hf-ar)",
+    )
     p.add_argument("--skip-bench", action="store_true", help="the tests alone")
     return p.parse_args(argv)
 
@@ -309,36 +369,51 @@ def main(argv: list[str] | None = None) -> int:
             sizes[key] = getattr(args, key)
     report: dict[str, Any] = {
         "environment": environment(args.device),
-        "options": {"device": args.device, "model": args.model, "quick": args.quick, **sizes},
+        "options": {
+            "device": args.device,
+            "model": args.model,
+            "quick": args.quick,
+            "ops": args.ops,
+            "select": args.select,
+            "dtypes": args.dtypes,
+            **sizes,
+        },
         "tests": None,
         "bench": None,
     }
     say(f"environment: {json.dumps(report['environment'])}")
     ok = True
     if not args.skip_tests:
-        report["tests"] = run_tests(cuda_test_files(), args.tests_timeout)
+        report["tests"] = run_tests(cuda_test_files(), args.tests_timeout, args.select)
         ok = report["tests"]["exit_code"] in (0, 5) and not report["tests"]["counts"].get("failed")
         write(report, args.out)
     if not args.skip_bench:
         began = time.perf_counter()
+        dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+        bench_args = (args.device, args.model, sizes["limit"], sizes["max_new_tokens"], sizes["concurrency"])
         try:
-            bench = run_benchmark(
-                args.device,
-                args.model,
-                sizes["limit"],
-                sizes["max_new_tokens"],
-                sizes["concurrency"],
-                args.quick,
-            )
+            bench = run_benchmark(*bench_args, args.quick, args.ops, dtypes)
+        except Exception as exc:  # reported, with the tests' outcomes kept
+            bench, ok = {"error": f"{type(exc).__name__}: {exc}"}, False
+            say(f"the benchmark failed: {bench['error']}")
+            if args.device.startswith("cuda") and args.ops == "auto":
+                # the speed of the ordinary fast path at least (cuBLAS: not batch-invariant)
+                say("running the benchmark again on the torch operations")
+                try:
+                    fallback = run_benchmark(*bench_args, args.quick, "torch", dtypes)
+                    bench = {**fallback, "auto_ops_error": bench["error"], "fallback_ops": "torch"}
+                except Exception as again:
+                    bench["fallback_error"] = f"{type(again).__name__}: {again}"
+        if "error" not in bench:
             bench["summary"] = summarize(bench, sizes["concurrency"])
             summary = bench["summary"]
             ok = (
                 ok
+                and "auto_ops_error" not in bench
+                and not summary["failed_modes"]
                 and summary["every_mode_identical_alone"]
                 and summary[f"every_mode_identical_x{sizes['concurrency']}"]
             )
-        except Exception as exc:  # reported, with the tests' outcomes kept
-            bench, ok = {"error": f"{type(exc).__name__}: {exc}"}, False
         bench["seconds"] = round(time.perf_counter() - began, 1)
         report["bench"] = bench
     write(report, args.out)
