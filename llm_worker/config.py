@@ -53,6 +53,11 @@ class ModelConfig:
     from ``ar`` in a near-tie); "fused": the fused CPU kernels; "auto": triton on CUDA (torch,
     with a warning, where triton is not installed), on CPU the fused kernels where
     ``fused_kernels`` and they build, else torch."""
+    cuda_graphs: bool = False
+    """Fast backend with the Triton operations (CUDA): decode and verify steps of up to 64 rows
+    replayed from CUDA graphs recorded once per bucket of rows (``llm_worker.model.graphs``), over
+    requests whose caches are in the pool; one pool slot is held for the padding rows. Not yet
+    run on a GPU: off by default."""
     kv_pool_slots: int = 16
     """Fast backend: requests whose KV caches share one pool, so that their decode steps'
     attention runs as one batched GEMM chain (more concurrent requests get caches of their own;

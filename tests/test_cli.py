@@ -472,3 +472,6 @@ def test_the_ops_option_reaches_the_model_config_and_the_workers_it_starts() -> 
     assert model_config(default).ops == "auto" and "--ops" not in worker_model_args(default, None)
     with pytest.raises(SystemExit):
         parser.parse_args(["--ops", "cublas"])
+    graphs = parser.parse_args(["--device", "cuda", "--cuda-graphs"])
+    assert model_config(graphs).cuda_graphs and "--cuda-graphs" in worker_model_args(graphs, None)
+    assert not model_config(default).cuda_graphs and "--cuda-graphs" not in worker_model_args(default, None)

@@ -111,10 +111,12 @@ def test_silu_mul_rows_are_invariant_on_cuda(dtype: torch.dtype) -> None:
 # -- the default model on the GPU -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+@pytest.fixture(scope="module", params=["bfloat16", "float32", "bfloat16-graphs", "float32-graphs"])
 def cuda_model(request: pytest.FixtureRequest) -> tuple[TargetModel, Any]:
-    """The default model on CUDA with the forward's default operations there."""
-    return load_target(ModelConfig(dtype=request.param, device="cuda"))
+    """The default model on CUDA with the forward's default operations there, its steps eager or
+    replayed from CUDA graphs (``-graphs``: ``ModelConfig.cuda_graphs``)."""
+    dtype, _, graphs = request.param.partition("-")
+    return load_target(ModelConfig(dtype=dtype, device="cuda", cuda_graphs=bool(graphs)))
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +158,23 @@ def test_the_forward_runs_on_the_gpu_with_the_triton_operations(cuda_model) -> N
     assert target.ops.name == "triton", "the invariant operations are the default on CUDA"
     assert target.cos.device.type == "cuda"
     assert target.start().keys.device.type == "cuda"  # the KV cache
+
+
+def test_captured_steps_write_the_eager_steps_tokens_on_cuda(cuda_model, cuda_prompts) -> None:
+    """``ar`` on steps replayed from CUDA graphs (padded to their bucket of rows) against ``ar``
+    on eager steps of the same model: the same tokens, and the graphs were replayed."""
+    target, _ = cuda_model
+    graphs = getattr(target, "graphs", None)
+    if graphs is None:
+        pytest.skip("eager steps: nothing to compare")
+    eager, _ = load_target(ModelConfig(dtype=target.info.dtype, device="cuda"))
+    refs = _references(engine_for(eager, FLAT_CURVE), cuda_prompts)
+    got = _references(engine_for(target, FLAT_CURVE), cuda_prompts)
+    for i, (ref, tokens) in enumerate(zip(refs, got, strict=True)):
+        assert_greedy_identical(
+            target, cuda_prompts[i], ref, tokens, f"cuda/{target.info.dtype}/graphs/prompt{i}"
+        )
+    assert graphs.replays > 0 and graphs.recorded > 0
 
 
 @pytest.mark.timeout(1200)

@@ -79,7 +79,7 @@ def test_a_failing_triton_benchmark_on_cuda_runs_again_on_the_torch_operations(
     calls = []
 
     def fake_benchmark(*args: object) -> dict[str, object]:
-        ops = args[-2]  # (..., quick, ops, dtypes)
+        ops = args[6]  # (device, model, limit, new tokens, concurrency, quick, ops, ...)
         calls.append(ops)
         if ops == "auto":
             raise RuntimeError("no kernel image")

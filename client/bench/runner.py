@@ -172,6 +172,13 @@ class BenchResult:
         return {"modes": modes, "machine": self.machine, "config": self.config}
 
 
+def engine_label(engine: Engine) -> str:
+    """An engine's name in a report (``mode@label``): its dtype, with ``+graphs`` where its steps
+    replay CUDA graphs. Example: ``bfloat16+graphs``."""
+    graphs = getattr(engine.target, "graphs", None)
+    return engine.target.info.dtype + ("+graphs" if graphs is not None else "")
+
+
 def reference_of(mode: str) -> str:
     """The ``ar`` a mode is compared with: ``pld@bfloat16`` → ``ar@bfloat16``, ``pld`` → ``ar``."""
     _, at, dtype = mode.partition("@")
@@ -243,7 +250,7 @@ def _limits(result: BenchResult, engines: Mapping[str, Engine]) -> None:
     dtype's bandwidth limit."""
     machine = result.machine
     for suffix, engine in engines.items():
-        info = machine["dtypes"][engine.target.info.dtype]
+        info = machine["dtypes"][engine_label(engine)]
         limit = info.get("bandwidth_limit_tokens_per_second")
         tally = result.overall.get("ar" + suffix)
         if tally is None or not limit:
@@ -254,7 +261,7 @@ def _limits(result: BenchResult, engines: Mapping[str, Engine]) -> None:
         if decode is not None:
             info["ar_decode_tokens_per_second"] = round(decode, 3)
             info["ar_decode_fraction_of_bandwidth_limit"] = round(decode / limit, 3)
-    primary = machine["dtypes"].get(machine["dtype"], {})
+    primary = machine["dtypes"].get(engine_label(engines[""]), {})
     machine["ar_fraction_of_bandwidth_limit"] = primary.get("ar_fraction_of_bandwidth_limit")
 
 
@@ -333,7 +340,7 @@ def run_bench(
     engines = {"": engine}
     all_modes = list(modes)
     for other in others:
-        suffix = "@" + other.target.info.dtype
+        suffix = "@" + engine_label(other)
         own = [m for m in modes if not m.startswith("hf-")]
         runners.update(make_runners(other, own, suffix))
         engines[suffix] = other
@@ -347,7 +354,7 @@ def run_bench(
     say("measuring the memory read bandwidth (a few seconds)")
     bandwidth = measure_read_bandwidth(device=engine.target.info.device)
     result.machine["memory_read_gb_per_s"] = round(bandwidth / 1e9, 2)
-    result.machine["dtypes"] = {e.target.info.dtype: dtype_info(e, bandwidth) for e in engines.values()}
+    result.machine["dtypes"] = {engine_label(e): dtype_info(e, bandwidth) for e in engines.values()}
     result.config = {
         "max_new_tokens": max_new_tokens,
         "questions": len(questions),
@@ -391,7 +398,7 @@ def run_bench(
     _limits(result, engines)
     for mode, after in source_counts(engine, modes).items():
         result.by_source[mode] = dict(after - counted_before.get(mode, Counter()))
-    primary = engine.target.info.dtype
+    primary = engine_label(engine)
     result.machine["dtype_comparison"] = {
         suffix[1:]: {f"ar_outputs_identical_to_{primary}_ar": same, "outputs": total}
         for suffix, (same, total) in same_as_primary_ar.items()

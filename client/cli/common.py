@@ -129,6 +129,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "faster, not batch-invariant), fused (CPU kernels); auto: triton on CUDA, fused on CPU",
     )
     g.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="fast backend, triton operations: decode and verify steps of up to 64 rows replayed "
+        "from CUDA graphs (not yet run on a GPU)",
+    )
+    g.add_argument(
         "--prefix-cache-mb",
         type=float,
         default=PREFIX_CACHE_MB,
@@ -157,6 +163,7 @@ def model_config(args: argparse.Namespace, backend: Literal["hf"] | None = None)
         kernel=args.kernel,
         fused_kernels=args.fused,
         ops=args.ops,
+        cuda_graphs=args.cuda_graphs,
         max_context=args.max_model_len,
     )
 
@@ -177,6 +184,7 @@ def worker_model_args(args: argparse.Namespace, threads: int | None) -> list[str
     out += ["--model", args.model] if args.model else []
     out += [] if args.fused else ["--no-fused"]
     out += ["--ops", args.ops] if args.ops != "auto" else []
+    out += ["--cuda-graphs"] if args.cuda_graphs else []
     out += ["--prefix-cache-mb", str(getattr(args, "prefix_cache_mb", PREFIX_CACHE_MB))]
     out += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     return out + (["--threads", str(threads)] if threads else [])

@@ -43,6 +43,7 @@ def _fast(model: Any, info: TargetInfo, cfg: ModelConfig) -> TargetModel:
         cfg.kv_pool_slots,
         fused=cfg.fused_kernels,
         ops=OPS_NAMES[cfg.ops],
+        graphs=cfg.cuda_graphs,
     )
 
 

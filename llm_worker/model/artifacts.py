@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 Tap = tuple[str, int]
 """A point of the forward, by name and layer: ``("hidden", 3)``."""
 
+TapSink = Callable[[str, int, torch.Tensor], None]
+"""What a forward hands each tap's value to, as it runs: (name, layer, value [rows, ...])."""
+
 Select = Callable[[ArtifactKey[Any], torch.Tensor, slice], torch.Tensor]
 """A call's value from a tap: (key, the tap's tensor [forward rows, ...], the call's rows) →
 [call rows, ...]."""

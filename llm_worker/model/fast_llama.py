@@ -48,6 +48,7 @@ import torch
 from llm_worker.model import ops_cpu, ops_torch
 from llm_worker.model import ops_triton as ops_triton  # registers "triton" (imports no triton)
 from llm_worker.model.forward import Forward, Layer, fuse, fuse_bias
+from llm_worker.model.graphs import StepGraphs
 from llm_worker.model.kernels import ROLES, Kernel, Linear
 from llm_worker.model.kv_pool import GROW, KVPool
 from llm_worker.model.ops import OPS, Ops, OpsContext, OpsFactory
@@ -117,6 +118,7 @@ class FastLlamaTarget(Forward):
         pool_slots: int = POOL_SLOTS,
         fused: bool = True,
         ops: str | OpsFactory | None = None,
+        graphs: bool = False,
     ) -> None:
         """``gemm_kernels``: a kernel per role (``kernels.ROLES``), or what to ask the operations
         for (``Ops.choose_kernels``: "auto", their own choice, or a kernel's name for every role);
@@ -124,7 +126,9 @@ class FastLlamaTarget(Forward):
         ``pool_slots``: requests whose caches share one buffer (``KVPool``); 0: each its own.
         ``fused``: the work between the GEMMs in ``native``'s fused CPU kernels where they can
         run here; False (or where they cannot): torch operations. ``ops``: the operations by name
-        in ``ops.OPS`` or a factory instead (then ``fused`` is not consulted)."""
+        in ``ops.OPS`` or a factory instead (then ``fused`` is not consulted). ``graphs``: decode
+        and verify steps replayed from captured CUDA graphs (``graphs.StepGraphs``; the Triton
+        operations only; without CUDA the same code runs eagerly, for the tests)."""
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast backend: {reason}")
@@ -164,6 +168,8 @@ class FastLlamaTarget(Forward):
         self.cos = cos[0]  # [max_context, head_dim]
         self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [max_context, head_dim]
         self._load_layers(model, gemm_kernels)
+        if graphs:
+            self.graphs = StepGraphs(self, capture=self.device.type == "cuda")
 
     def _load_layers(self, model: Any, gemm_kernels: Mapping[str, Kernel] | str | None) -> None:
         """The layers' weights fused for the GEMMs the forward runs (q/k/v and gate/up: the

@@ -11,12 +11,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from llm_worker.model.artifacts import ARTIFACTS, Recording, Tap
+from llm_worker.model.artifacts import ARTIFACTS, Recording, Tap, TapSink
 from llm_worker.model.kernels import Linear
 from llm_worker.model.kv_pool import GROW, KVPool, KVState
 from llm_worker.model.ops import CallRows, Ops
@@ -30,6 +30,9 @@ from llm_worker.model.target import (
 )
 from llm_worker.types import ArtifactKey, ArtifactNeeds
 from llm_worker.verify.tree import TreeBuffers
+
+if TYPE_CHECKING:
+    from llm_worker.model.graphs import StepGraphs
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Forward(TargetModel):
     cos: torch.Tensor  # [max_context, head_dim] every position's RoPE cos
     sin_signed: torch.Tensor  # [max_context, head_dim] its sin, the rotated half's sign folded in
     min_rows: int  # rows a forward is padded to (the GEMM kernels' smallest minimum)
+    graphs: StepGraphs | None = None  # captured steps (``graphs``; CUDA, the Triton operations)
     own_threads: bool  # every GEMM runs on the fused kernels' pool (``Ops.scope``)
     _lock: threading.RLock  # forwards, commits and new states: the pool may move when it grows
     _pool: KVPool
@@ -213,9 +217,13 @@ class Forward(TargetModel):
         return placed
 
     def _forward_many(self, calls: Sequence[ForwardCall]) -> list[ForwardOutput]:
-        ops, eps = self.ops, self.eps
+        ops = self.ops
         placed = self._place(calls)
         total = placed[-1].row + placed[-1].n
+        if self.graphs is not None:
+            captured = self.graphs.run(calls, placed, total)
+            if captured is not None:
+                return captured
         # Fewer rows than the GEMM kernels' smallest minimum: zero rows are added to the embeddings
         # once here rather than in every GEMM (nothing reads their results). A GEMM whose kernel
         # needs more rows still pads its own input (``Linear``).
@@ -228,22 +236,35 @@ class Forward(TargetModel):
         if pad:
             h = F.pad(h, (0, 0, 0, pad))  # [total + pad, hidden]
         outs = Outputs(calls, [p.rows for p in placed], self)
-        outs.state(0, h)
+        x = self.layer_loop(h, layout, cos, sin, outs.tap, total)
+        return outs.with_logits(ops, self.lm_head, x)
+
+    def layer_loop(
+        self, h: torch.Tensor, layout: Any, cos: torch.Tensor, sin: torch.Tensor, tap: TapSink, total: int
+    ) -> torch.Tensor:
+        """The layers over the embedded rows h [rows, hidden] (``layout``: the operations' own,
+        ``Ops.layout``), each tap's value handed to ``tap``; returns the final-normed states of
+        the first ``total`` rows (the rest are padding). The eager forward and a captured step
+        (``graphs``) run this same loop."""
+        ops, eps = self.ops, self.eps
+        tap("hidden", 0, h)  # the residual stream entering layer 0 is its hidden state
+        tap("residual", 0, h)
         h, x = ops.norm(h, None, self.layers[0].ln_attn, eps)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             q = ops.rope_store(layout, index, layer.qkv(x), cos, sin)  # [total, heads, d]
-            outs.tap("query", index, q)
+            tap("query", index, q)
             h, x = ops.norm(h, layer.o(ops.attention(layout, index, q)), layer.ln_mlp, eps)
             down = layer.down(ops.activation(layer.gate_up(x)))
             if index < last:
                 h, x = ops.norm(h, down, self.layers[index + 1].ln_attn, eps)
-                outs.state(index + 1, h)
+                tap("hidden", index + 1, h)
+                tap("residual", index + 1, h)
             else:  # the final norm over the real rows (each row's numbers are its own)
                 h, x = ops.norm(h[:total], down[:total], self.norm, eps)
-        outs.tap("residual", len(self.layers), h)  # the last layer's output before the final norm
-        outs.tap("hidden", len(self.layers), x)  # and after it
-        return outs.with_logits(ops, self.lm_head, x)
+        tap("residual", len(self.layers), h)  # the last layer's output before the final norm
+        tap("hidden", len(self.layers), x)  # and after it
+        return x
 
     @cached_property
     def taps(self) -> frozenset[Tap]:
@@ -257,13 +278,16 @@ class Outputs:
     layers run: the artifacts each call's needs record, taken at the forward's taps
     (``llm_worker.model.artifacts``), then logits."""
 
-    def __init__(self, calls: Sequence[ForwardCall], spans: Sequence[slice], target: Forward) -> None:
+    def __init__(
+        self, calls: Sequence[ForwardCall], spans: Sequence[slice], target: Forward, logit_rows: bool = True
+    ) -> None:
+        """``logit_rows`` False: the caller picks each call's logits itself (a captured step)."""
         self.calls, self.spans = calls, spans
         self.logit_rows: torch.Tensor | None = None
         """[rows with logits] on the target's device: the rows the LM head reads in a forward over
         several calls (each call's rows, or its last). Copied there before the layers run: on a
         GPU a copy made after them would wait for every layer before the LM head could start."""
-        if len(calls) > 1:
+        if len(calls) > 1 and logit_rows:
             rows = [
                 r
                 for c, s in zip(calls, spans, strict=True)
@@ -283,11 +307,6 @@ class Outputs:
             return
         for rec, span, artifacts in self.wanted.get((name, layer), ()):
             artifacts[rec.key] = rec.select(rec.key, value, span)
-
-    def state(self, layer: int, h: torch.Tensor) -> None:
-        """h [rows, hidden]: the residual stream entering ``layer`` (< L), which is its hidden state."""
-        self.tap("hidden", layer, h)
-        self.tap("residual", layer, h)
 
     def with_logits(self, ops: Ops, lm_head: Linear, h: torch.Tensor) -> list[ForwardOutput]:
         """Logits of h [rows, hidden] (final-normed) for every row of a call, or its last row only

@@ -76,6 +76,21 @@ def visible_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, mask.sum(1)
 
 
+def call_layout(c: CallRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call's rows as the kernels take them: meta [5, n] int32 (each row's row in the
+    forward, slot, cache position, the call's committed length, how many keys it sees) and the
+    new rows each sees, in order ([n, n], ``visible_rows``)."""
+    mask = c.tree.mask if c.tree is not None else causal_mask(c.n)
+    order, seen = visible_rows(mask)
+    meta = torch.empty(5, c.n, dtype=torch.int32)
+    meta[0] = torch.arange(c.row, c.row + c.n)
+    meta[1] = max(c.state.slot, 0)
+    meta[2] = torch.arange(c.start, c.start + c.n)
+    meta[3] = c.start
+    meta[4] = c.start + seen
+    return meta, order
+
+
 class TritonOps:
     """``ops.Ops`` in Triton kernels (see the module docstring)."""
 
@@ -148,15 +163,7 @@ class TritonOps:
             news = torch.zeros(count, width, dtype=torch.int32)
             at = 0
             for c in parts:
-                mask = c.tree.mask if c.tree is not None else causal_mask(c.n)
-                order, seen = visible_rows(mask)
-                news[at : at + c.n, : c.n] = order
-                span = slice(at, at + c.n)
-                meta[0, span] = torch.arange(c.row, c.row + c.n)
-                meta[1, span] = max(c.state.slot, 0)
-                meta[2, span] = torch.arange(c.start, c.start + c.n)
-                meta[3, span] = c.start
-                meta[4, span] = c.start + seen
+                meta[:, at : at + c.n], news[at : at + c.n, : c.n] = call_layout(c)
                 at += c.n
             flat = torch.cat((meta.flatten(), news.flatten())).to(self.ctx.device)
             rows, slots, cache, starts, lengths = flat[: 5 * count].view(5, count)

@@ -158,13 +158,18 @@ def run_benchmark(
     quick: bool,
     ops: str = "auto",
     dtypes: tuple[str, ...] = DTYPES,
+    graphs: bool = False,
+    questions_file: Path | None = None,
 ) -> dict[str, Any]:
     """Every mode, float32 and bfloat16, alone and ``concurrency`` at once, plus ``hf-ar``:
     ``run_bench``'s report. ``quick``: a fixed cost curve instead of the one measured here (whose
     check measures it again whenever a busy CPU's forwards disagree with it); ``ops``: the
-    forward's operations (``ModelConfig.ops``; auto: the Triton kernels on CUDA)."""
-    from client.bench.runner import run_bench
-    from client.bench.suite import builtin_suite
+    forward's operations (``ModelConfig.ops``; auto: the Triton kernels on CUDA); ``graphs``:
+    beside each dtype's engine, one whose steps replay CUDA graphs (``mode@DTYPE+graphs``);
+    ``questions_file``: a JSONL of questions (``specdraft bench --questions``'s) instead of the
+    built-in input-guided suite."""
+    from client.bench.runner import engine_label, run_bench
+    from client.bench.suite import builtin_suite, load_questions
     from llm_worker.assembly import ResourceConfig, build_resources, load_model
     from llm_worker.config import ModelConfig
     from llm_worker.drafters import DRAFTERS
@@ -173,14 +178,15 @@ def run_benchmark(
 
     curve = CostCurve.linear(0.05, 0.003) if quick else None
     engines = []
-    for dtype in dtypes:
-        say(f"loading the model ({model or 'the default model'}, {dtype}, {device}, operations {ops})")
-        config = ModelConfig(path=model, dtype=dtype, device=device, ops=ops)  # type: ignore[arg-type]
+    for dtype, captured in [(d, g) for d in dtypes for g in ((False, True) if graphs else (False,))]:
+        steps = "CUDA graphs" if captured else "eager steps"
+        say(f"loading the model ({model or 'the default model'}, {dtype}, {device}, {ops} ops, {steps})")
+        config = ModelConfig(path=model, dtype=dtype, device=device, ops=ops, cuda_graphs=captured)  # type: ignore[arg-type]
         target, tokenizer = load_model(config)
         resources = build_resources(ResourceConfig(), tokenizer)
         engines.append((Engine(target, curve=curve, resources=resources), target, tokenizer))
     engine, target, tokenizer = engines[0]
-    questions = builtin_suite(SUITE)[:limit]
+    questions = (load_questions(questions_file) if questions_file else builtin_suite(SUITE))[:limit]
     modes, failed = working_modes(
         [e for e, _, _ in engines], DRAFTERS.available(target, engine.resources), questions[0], tokenizer
     )
@@ -198,12 +204,14 @@ def run_benchmark(
     )
     report = result.to_json()
     report["failed_modes"] = failed
-    report["kernel_info"] = {
-        dtype: e.target.kernel_info() for dtype, (e, _, _) in zip(dtypes, engines, strict=True)
-    }
+    report["kernel_info"] = {engine_label(e): e.target.kernel_info() for e, _, _ in engines}
     report["operations"] = {
-        dtype: getattr(getattr(t, "ops", None), "name", None)
-        for dtype, (_, t, _) in zip(dtypes, engines, strict=True)
+        engine_label(e): getattr(getattr(t, "ops", None), "name", None) for e, t, _ in engines
+    }
+    report["graphs"] = {
+        engine_label(e): captured_steps.describe()
+        for e, t, _ in engines
+        if (captured_steps := getattr(t, "graphs", None)) is not None
     }
     return report
 
@@ -299,6 +307,9 @@ def markdown(report: dict[str, Any]) -> str:
                 "",
             ]
         summary, c = bench["summary"], report["options"]["concurrency"]
+        for label, same in bench.get("machine", {}).get("dtype_comparison", {}).items():
+            counts = ", ".join(f"{k.removeprefix('ar_outputs_')}: {v}" for k, v in same.items())
+            lines.append(f"- `ar@{label}`: {counts}")
         for mode, why in bench.get("failed_modes", {}).items():
             lines.append(f"- `{mode}` failed and was left out: `{why.splitlines()[0][:300]}`")
         lines += [
@@ -341,6 +352,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help="tokens an answer (default 32; --quick 8)")
     p.add_argument("--concurrency", type=int, help="users of the concurrent run (default 16)")
     p.add_argument(
+        "--questions",
+        type=Path,
+        help="a JSONL of questions (specdraft bench --questions) instead of the input-guided suite",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="beside each dtype's engine, one whose steps replay CUDA graphs (mode@DTYPE+graphs)",
+    )
+    p.add_argument(
         "--ops",
         choices=("auto", "triton", "torch"),
         default="auto",
@@ -376,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             "ops": args.ops,
             "select": args.select,
             "dtypes": args.dtypes,
+            "cuda_graphs": args.cuda_graphs,
+            "questions": str(args.questions) if args.questions else SUITE,
             **sizes,
         },
         "tests": None,
@@ -392,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
         bench_args = (args.device, args.model, sizes["limit"], sizes["max_new_tokens"], sizes["concurrency"])
         try:
-            bench = run_benchmark(*bench_args, args.quick, args.ops, dtypes)
+            bench = run_benchmark(*bench_args, args.quick, args.ops, dtypes, args.cuda_graphs, args.questions)
         except Exception as exc:  # reported, with the tests' outcomes kept
             bench, ok = {"error": f"{type(exc).__name__}: {exc}"}, False
             say(f"the benchmark failed: {bench['error']}")
@@ -400,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                 # the speed of the ordinary fast path at least (cuBLAS: not batch-invariant)
                 say("running the benchmark again on the torch operations")
                 try:
-                    fallback = run_benchmark(*bench_args, args.quick, "torch", dtypes)
+                    fallback = run_benchmark(*bench_args, args.quick, "torch", dtypes, False, args.questions)
                     bench = {**fallback, "auto_ops_error": bench["error"], "fallback_ops": "torch"}
                 except Exception as again:
                     bench["fallback_error"] = f"{type(again).__name__}: {again}"
