@@ -159,3 +159,46 @@ def test_a_bench_names_an_engine_on_captured_steps() -> None:
 
     assert engine_label(engine_for(tiny(torch.float32, True))) == "float32+graphs"
     assert engine_label(engine_for(tiny(torch.float32, False))) == "float32"
+
+
+def test_steps_first_recorded_under_inference_mode_serve_later_steps() -> None:
+    """The cost curve's measurement runs its forwards under inference mode: the step buffers
+    recorded then still take the engine's later steps (outside it)."""
+    eager, captured = tiny(torch.float32, False), tiny(torch.float32, True)
+    outs = {}
+    for t in (eager, captured):
+        state = t.start()
+        with torch.inference_mode():
+            first = t.forward(state, torch.tensor([1, 2, 3]), None, NEEDS)
+        t.commit(state, range(3))
+        with torch.no_grad():
+            outs[t] = [first, t.forward(state, torch.tensor([4, 5, 6]), None, NEEDS)]
+    for got, want in zip(outs[captured], outs[eager], strict=True):
+        assert_same([got], [want])
+    assert captured.graphs is not None and captured.graphs.replays == 2
+
+
+def test_a_step_that_cannot_be_recorded_leaves_the_eager_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llm_worker.model import graphs as graphs_module
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    eager, captured = tiny(torch.float32, False), tiny(torch.float32, True)
+    monkeypatch.setattr(graphs_module, "_Step", broken)
+    with torch.inference_mode():
+        got = captured.forward(captured.start(), torch.tensor([1, 2, 3]), None, NEEDS)
+        want = eager.forward(eager.start(), torch.tensor([1, 2, 3]), None, NEEDS)
+    assert_same([got], [want])
+    assert captured.graphs is not None and "stream is capturing" in str(captured.graphs.failed)
+    assert captured.graphs.describe()["failed"] == captured.graphs.failed
+
+
+def test_captured_steps_need_the_triton_gemms() -> None:
+    """cuBLAS would multiply a bucket's rows, not the step's: other bits than the eager step."""
+    with pytest.raises(ValueError, match="Triton GEMMs"):
+        wrap_model(
+            tiny_model("llama", layers=1),
+            None,
+            ModelConfig(backend="fast", ops="triton", kernel="aten:1", cuda_graphs=True),
+        )

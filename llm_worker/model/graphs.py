@@ -29,6 +29,7 @@ is what the CPU tests check against the eager forward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,8 @@ from llm_worker.model.target import ForwardCall, ForwardOutput
 if TYPE_CHECKING:
     from llm_worker.model.forward import Forward
 
+log = logging.getLogger(__name__)
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """The row counts recorded: a forward of n rows replays the smallest bucket of at least n."""
 
@@ -56,8 +59,11 @@ class _Step:
     def __init__(self, target: Forward, rows: int, padding: KVState, capture: bool) -> None:
         self.target, self.rows = target, rows
         size = _META * rows + rows * rows
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=capture)
-        self.device = torch.zeros(size, dtype=torch.int32, device=target.device)
+        # ordinary tensors even when a first step comes under inference mode (the cost curve's
+        # measurement): each later step writes into them, inside inference mode or not
+        with torch.inference_mode(False):
+            self.host = torch.zeros(size, dtype=torch.int32, pin_memory=capture)
+            self.device = torch.zeros(size, dtype=torch.int32, device=target.device)
         self.tokens = self.device[:rows]
         self.positions = self.device[rows : 2 * rows]
         meta = self.device[2 * rows : _META * rows].view(5, rows)
@@ -86,16 +92,19 @@ class _Step:
     def _capture(self) -> None:
         """Record the forward: first once on a side stream (Triton compiles its kernels on a first
         call, which a capture may not do), then into the graph, in a memory pool of its own (a
-        few MB: no bucket's intermediates can land on another's outputs)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._copy()
-            self._run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._run()
+        few MB: no bucket's intermediates can land on another's outputs). Thread-local capture:
+        other threads' GPU work (requests drafting, committing) goes on meanwhile."""
+        with torch.cuda.device(self.target.device), torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._copy()
+                self._run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._run()
+            self.graph = graph
 
     def _copy(self) -> None:
         self.device.copy_(self.host)
@@ -132,7 +141,8 @@ class _Step:
         self._fill_padding(total)
         self._copy()
         if self.graph is not None:
-            self.graph.replay()
+            with torch.cuda.device(self.target.device):
+                self.graph.replay()
         else:
             self._run()
         return self._outputs(calls, placed)
@@ -157,15 +167,20 @@ class StepGraphs:
     def __init__(self, target: Forward, capture: bool, buckets: Sequence[int] = BUCKETS) -> None:
         if not isinstance(target.ops, TritonOps):
             raise ValueError("captured steps need the Triton operations (--ops triton, on CUDA)")
+        if any(k.library != "triton" for k in getattr(target, "kernels", {}).values()):
+            # cuBLAS (--kernel aten:N) would multiply a bucket's rows, not the step's: other bits
+            raise ValueError("captured steps need the Triton GEMMs (--kernel auto or triton:1)")
         if capture and target.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {target.device}")
         self.target, self.capture = target, capture
         self.buckets = tuple(sorted(buckets))
         self._steps: dict[int, _Step] = {}
-        self._buffers: tuple[int, int] | None = None  # the pool buffers the steps were recorded over
+        self._buffers: tuple[Any, ...] | None = None  # the pool buffers the steps were recorded over
         self._padding: KVState | None = None
         self.replays = 0
         self.recorded = 0
+        self.failed: str | None = None
+        """Why recording a step failed (then every step runs eagerly); None while none has."""
 
     def _padding_slot(self) -> KVState | None:
         """A pool slot held for the padding rows (None while the pool has none free)."""
@@ -182,18 +197,27 @@ class StepGraphs:
         eagerly). The caller holds the target's lock and has placed the rows (``_place``)."""
         pool = self.target._pool
         bucket = bucket_of(total, self.buckets)
-        if bucket is None or any(p.state.pool is not pool for p in placed):
+        if self.failed or bucket is None or any(p.state.pool is not pool for p in placed):
             return None
         padding = self._padding_slot()
         if padding is None:
             return None
-        buffers = (pool.keys.data_ptr(), pool.values.data_ptr())
+        # addresses and shapes: new buffers of another shape may reuse the old addresses
+        buffers = (pool.keys.data_ptr(), pool.values.data_ptr(), *pool.keys.shape, *pool.values.shape)
         if buffers != self._buffers:  # the pool grew: the recorded steps read the old buffers
             self._steps.clear()
             self._buffers = buffers
         step = self._steps.get(bucket)
         if step is None:
-            step = self._steps[bucket] = _Step(self.target, bucket, padding, self.capture)
+            try:
+                step = _Step(self.target, bucket, padding, self.capture)
+            except Exception as exc:  # the eager steps go on; the reason is kept and logged once
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning(
+                    "recording a CUDA graph of %d rows failed, steps run eagerly: %s", bucket, self.failed
+                )
+                return None
+            self._steps[bucket] = step
             self.recorded += 1
         self.replays += 1
         return step.replay(calls, placed, total)
@@ -204,6 +228,7 @@ class StepGraphs:
             "buckets": list(self.buckets),
             "recorded": self.recorded,
             "replays": self.replays,
+            "failed": self.failed,
         }
 
 
