@@ -231,8 +231,7 @@ class Forward(TargetModel):
         layout = ops.layout(placed, total, pad)
         positions = torch.cat([p.positions for p in placed]).to(self.device)  # [total]
         cos, sin = self.cos[positions], self.sin_signed[positions]  # [total, d] each
-        tokens = torch.cat([c.tokens for c in calls]) if len(calls) > 1 else calls[0].tokens
-        h = self.embed(tokens.to(self.device))  # [total, hidden]
+        h = self.embed(step_tokens(calls).to(self.device))  # [total, hidden]
         if pad:
             h = F.pad(h, (0, 0, 0, pad))  # [total + pad, hidden]
         outs = Outputs(calls, [p.rows for p in placed], self)
@@ -271,6 +270,11 @@ class Forward(TargetModel):
         top = len(self.layers)
         states = {(name, i) for name in ("hidden", "residual") for i in range(top + 1)}
         return frozenset(states | {("query", i) for i in range(top)})
+
+
+def step_tokens(calls: Sequence[ForwardCall]) -> torch.Tensor:
+    """Every call's token ids in one forward's row order (the eager and the captured step's)."""
+    return torch.cat([c.tokens for c in calls]) if len(calls) > 1 else calls[0].tokens
 
 
 class Outputs:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llm_worker.model.forward import Outputs
+from llm_worker.model.forward import Outputs, step_tokens
 from llm_worker.model.kv_pool import KVState
 from llm_worker.model.ops import CallRows
 from llm_worker.model.ops_triton import TritonOps, _Group, _Layout, call_layout
@@ -130,8 +130,7 @@ class _Step:
         self, calls: Sequence[ForwardCall], placed: Sequence[CallRows], total: int
     ) -> list[ForwardOutput]:
         rows, host = self.rows, self.host
-        tokens = torch.cat([c.tokens for c in calls]) if len(calls) > 1 else calls[0].tokens
-        host[:total] = tokens
+        host[:total] = step_tokens(calls)
         host[rows : rows + total] = torch.cat([p.positions for p in placed])
         meta = host[2 * rows : _META * rows].view(5, rows)
         news = host[_META * rows :].view(rows, rows)
@@ -151,8 +150,8 @@ class _Step:
         """Each call's logits (all its rows, or its last) and artifacts, copied out of the step's
         outputs (which the next replay overwrites)."""
         outs = Outputs(calls, [p.rows for p in placed], self.target, logit_rows=False)
-        for (name, layer), value in self.taps.items():
-            outs.tap(name, layer, value)
+        for name, layer in outs.wanted:  # the taps some call records
+            outs.tap(name, layer, self.taps[(name, layer)])
         for call, p, out in zip(calls, placed, outs.outs, strict=True):
             span = slice(p.row + p.n - 1, p.row + p.n) if call.last_logits_only else p.rows
             out.logits = self.logits[span].clone()
